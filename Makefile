@@ -1,0 +1,39 @@
+# Two commands on a fresh clone:
+#   make lab    set everything up, then open the notebooks in JupyterLab
+#   make test   set everything up, then run unit tests and every notebook (nbval)
+# Both create .venv with the Python found as $(PYTHON) (3.10 or newer).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: lab test setup unit notebooks lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "gpukit needs Python 3.10 or newer; set PYTHON=python3.11 (or another) and run make again.")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev,gpu]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (gpukit)" >/dev/null
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/python -m pytest tests/ --nbval-lax notebooks/ -p no:cacheprovider
+
+unit: setup
+	$(BIN)/python -m pytest tests/
+
+notebooks: setup
+	$(BIN)/python -m pytest --nbval-lax notebooks/
+
+lint: setup
+	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

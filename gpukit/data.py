@@ -1,0 +1,386 @@
+"""Datasets and loaders.
+
+- `shapes()`: a synthetic, deterministic, offline 10-class image dataset (32×32 RGB).
+- `cifar10()`: CIFAR-10 through torchvision, stored under `data/`.
+- `DeviceLoader`: the whole dataset on the device as uint8; normalisation, random crop and
+  flip as batched tensor operations there; a device-side permutation for shuffling. No
+  per-batch host work, which is what the fastest CIFAR-10 training scripts do.
+- `dataloader()`: the standard `torch.utils.data.DataLoader` path (worker processes, pinned
+  memory, prefetching, per-image augmentation on the CPU), for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import urllib.error
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+SHAPE_CLASSES = (
+    "disk", "ring", "square", "frame", "triangle", "cross", "bar", "star", "half-disk", "two-dots",
+)  # fmt: skip
+CIFAR10_CLASSES = (
+    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
+)  # fmt: skip
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+class ImageDataset(Dataset):
+    """Images kept as one uint8 tensor of shape (N, C, H, W), labels as int64 of shape (N,).
+
+    `mean` and `std` (per channel, in 0..1 units) are what loaders normalise with.
+    Indexing returns a normalised float image and its label, like a torchvision dataset.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes, mean=None, std=None, transform=None):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"images must be uint8 of shape (N, C, H, W), got {images.dtype} {tuple(images.shape)}.")
+        if labels.shape != (images.shape[0],):
+            raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}.")
+        self.images = images
+        self.labels = labels.long()
+        self.classes = tuple(classes)
+        if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(self.classes)):
+            raise ValueError(
+                f"labels must lie in 0..{len(self.classes) - 1} for {len(self.classes)} classes, "
+                f"found {int(self.labels.min())}..{int(self.labels.max())}; fix the labels or the class list."
+            )
+        floats = images.float().div_(255) if mean is None or std is None else None
+        self.mean = torch.as_tensor(mean if mean is not None else floats.mean((0, 2, 3)), dtype=torch.float32)
+        self.std = torch.as_tensor(std if std is not None else floats.std((0, 2, 3)), dtype=torch.float32)
+        self.transform = transform  # optional per-image transform on a float image (C, H, W)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = (self.images[index].float() / 255 - self.mean[:, None, None]) / self.std[:, None, None]
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self.labels[index]
+
+    def subset(self, count: int) -> ImageDataset:
+        """The first `count` images, with this dataset's normalisation."""
+        return ImageDataset(self.images[:count], self.labels[:count], self.classes, self.mean, self.std)
+
+    def __repr__(self) -> str:
+        shape = "×".join(map(str, self.images.shape[1:]))
+        return f"ImageDataset({len(self)} images of {shape}, {len(self.classes)} classes)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic shapes
+
+
+def _triangle(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    inside = torch.ones_like(u, dtype=torch.bool)
+    for k in range(3):  # an equilateral triangle: inside three half-planes
+        angle = math.radians(-90 + 120 * k)
+        inside &= u * math.cos(angle) + v * math.sin(angle) < 0.5
+    return inside
+
+
+def _box(u, v):
+    return torch.maximum(u.abs(), v.abs())
+
+
+# Each shape as a mask in shape coordinates (u, v), unit size, centred at 0.
+_SHAPE_MASKS = (
+    lambda u, v: u * u + v * v < 1.0,  # disk
+    lambda u, v: ((u * u + v * v) > 0.55**2) & ((u * u + v * v) < 1.0),  # ring
+    lambda u, v: _box(u, v) < 0.8,  # square
+    lambda u, v: (_box(u, v) > 0.5) & (_box(u, v) < 0.85),  # frame
+    _triangle,
+    lambda u, v: ((u.abs() < 0.3) & (v.abs() < 0.95)) | ((v.abs() < 0.3) & (u.abs() < 0.95)),  # cross
+    lambda u, v: (u.abs() < 0.95) & (v.abs() < 0.25),  # bar
+    lambda u, v: torch.sqrt(u * u + v * v) < 0.55 + 0.4 * torch.cos(5 * torch.atan2(v, u)),  # star
+    lambda u, v: (u * u + v * v < 1.0) & (v > 0),  # half-disk
+    lambda u, v: ((u - 0.55) ** 2 + v * v < 0.35**2) | ((u + 0.55) ** 2 + v * v < 0.35**2),  # two dots
+)
+
+
+def _shape_masks(labels: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Boolean masks (N, H, W): each image's shape, computed only for the images of its class."""
+    masks = torch.empty_like(u, dtype=torch.bool)
+    for label, shape in enumerate(_SHAPE_MASKS):
+        index = (labels == label).nonzero().squeeze(1)
+        masks[index] = shape(u[index], v[index])
+    return masks
+
+
+def _render_shapes(count: int, generator: torch.Generator, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    def uniform(*shape, low=0.0, high=1.0):
+        return torch.rand(*shape, generator=generator) * (high - low) + low
+
+    labels = torch.randint(0, len(SHAPE_CLASSES), (count,), generator=generator)
+    scale = uniform(count, low=0.18 * size, high=0.36 * size)  # shape radius in pixels
+    margin = scale * 0.6
+    cx = uniform(count) * (size - 2 * margin) + margin
+    cy = uniform(count) * (size - 2 * margin) + margin
+    angle = uniform(count, high=2 * math.pi)
+    grid = torch.arange(size, dtype=torch.float32) + 0.5
+    dx = grid[None, None, :] - cx[:, None, None]  # (N, 1, W)
+    dy = grid[None, :, None] - cy[:, None, None]  # (N, H, 1)
+    cos, sin = torch.cos(angle)[:, None, None], torch.sin(angle)[:, None, None]
+    u = (dx * cos + dy * sin) / scale[:, None, None]
+    v = (-dx * sin + dy * cos) / scale[:, None, None]
+    mask = _shape_masks(labels, u, v).unsqueeze(1)  # (N, 1, H, W)
+
+    background = uniform(count, 3, 1, 1)
+    foreground = uniform(count, 3, 1, 1)
+    # Keep the shape visible: push its colour at least 0.45 away (RGB distance) from the background.
+    difference = foreground - background
+    distance = difference.norm(dim=1, keepdim=True).clamp_min(1e-6)
+    foreground = (background + difference * (0.45 / distance).clamp_min(1.0)).clamp(0, 1)
+    # A smooth background gradient and pixel noise make raw pixels a poor feature.
+    slope = uniform(count, 1, 1, 1, low=-0.5, high=0.5)
+    along_x = (uniform(count, 1, 1, 1) < 0.5).float()
+    position = grid / size - 0.5
+    ramp = slope * (along_x * position[None, None, None, :] + (1 - along_x) * position[None, None, :, None])
+    image = torch.where(mask, foreground, background + ramp)
+    image = image + torch.randn(count, 3, size, size, generator=generator) * 0.08
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8), labels
+
+
+def shapes(train_size: int = 50_000, test_size: int = 10_000, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
+    """Synthetic shapes: 10 classes, 32×32 RGB, random position, size, colour and rotation.
+
+    Deterministic for a seed and generated offline in a few seconds for 50,000 images.
+    Returns (train, test), normalised with the training set's mean and std.
+    """
+    if train_size <= 0 or test_size < 0:
+        raise ValueError(f"train_size must be > 0 and test_size >= 0, got {train_size} and {test_size}.")
+    parts = []
+    for offset, count in ((0, train_size), (1, test_size)):
+        generator = torch.Generator().manual_seed(seed * 2 + offset)
+        chunks = [_render_shapes(min(4096, count - start), generator) for start in range(0, count, 4096)]
+        images = torch.cat([c[0] for c in chunks]) if chunks else torch.empty(0, 3, 32, 32, dtype=torch.uint8)
+        labels = torch.cat([c[1] for c in chunks]) if chunks else torch.empty(0, dtype=torch.long)
+        parts.append((images, labels))
+    train = ImageDataset(*parts[0], SHAPE_CLASSES)
+    test = ImageDataset(*parts[1], SHAPE_CLASSES, train.mean, train.std)
+    return train, test
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR-10
+
+
+def _cifar10_missing_message(root: Path, reason: str) -> str:
+    return (
+        f"CIFAR-10 is not in {root.resolve()} ({reason}). Download {CIFAR10_URL} on a machine with internet "
+        f"access and put the file cifar-10-python.tar.gz in {root.resolve()}, then call cifar10(root={str(root)!r}) "
+        "again; or use gpukit.data.shapes() for an offline dataset."
+    )
+
+
+def cifar10(root: str | Path = "data", download: bool = True, timeout: float = 30.0) -> tuple[ImageDataset, ImageDataset]:
+    """CIFAR-10 (50,000 train, 10,000 test images) through torchvision, kept in `root`.
+
+    Downloads (about 170 MB) when the files are missing and `download` is true. Offline and
+    without the files, raises FileNotFoundError saying where to put the archive.
+    """
+    from torchvision.datasets import CIFAR10
+
+    root = Path(root)
+    try:
+        if download:
+            root.mkdir(parents=True, exist_ok=True)
+            previous = socket.getdefaulttimeout()  # urllib has no timeout by default: never hang
+            socket.setdefaulttimeout(timeout)
+            try:
+                train = CIFAR10(str(root), train=True, download=True)
+            finally:
+                socket.setdefaulttimeout(previous)
+        else:
+            train = CIFAR10(str(root), train=True, download=False)
+        test = CIFAR10(str(root), train=False, download=False)
+    except (urllib.error.URLError, OSError) as error:
+        raise FileNotFoundError(_cifar10_missing_message(root, f"download failed: {error}")) from error
+    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted"
+        raise FileNotFoundError(_cifar10_missing_message(root, str(error).rstrip("."))) from error
+
+    def as_tensors(split):
+        images = torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous()  # NHWC → NCHW, uint8
+        return images, torch.as_tensor(split.targets, dtype=torch.long)
+
+    train_set = ImageDataset(*as_tensors(train), CIFAR10_CLASSES)
+    return train_set, ImageDataset(*as_tensors(test), CIFAR10_CLASSES, train_set.mean, train_set.std)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaders
+
+
+def random_crop_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """Random crop with reflect padding and random horizontal flip, on a whole batch at once.
+
+    images: (B, C, H, W) on any device; every image gets its own offsets and flip.
+    """
+    batch, _, height, width = images.shape
+    device = images.device
+    if padding > 0:
+        padded = torch.nn.functional.pad(images, (padding,) * 4, mode="reflect")
+        dy = torch.randint(0, 2 * padding + 1, (batch, 1), device=device, generator=generator)
+        dx = torch.randint(0, 2 * padding + 1, (batch, 1), device=device, generator=generator)
+        rows = (dy + torch.arange(height, device=device))[:, None, :, None]  # (B, 1, H, 1)
+        cols = (dx + torch.arange(width, device=device))[:, None, None, :]  # (B, 1, 1, W)
+        index = torch.arange(batch, device=device)[:, None, None, None]
+        channel = torch.arange(images.shape[1], device=device)[None, :, None, None]
+        images = padded[index, channel, rows, cols]
+    if flip:
+        flips = torch.rand(batch, device=device, generator=generator) < 0.5
+        images = torch.where(flips[:, None, None, None], images.flip(-1), images)
+    return images
+
+
+class DeviceLoader:
+    """Batches from a dataset that lives on the device as uint8, with on-device augmentation.
+
+    Each epoch's order and augmentation come from a generator seeded with (seed, epoch), so
+    an epoch can be replayed exactly (resuming) and every rank of a distributed job agrees
+    on the permutation and takes its own shard (`rank`, `world_size`).
+    """
+
+    def __init__(
+        self,
+        dataset: ImageDataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        augment: bool = False,
+        padding: int = 2,
+        drop_last: bool | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        from .env import resolve_device
+
+        if not isinstance(dataset, ImageDataset):
+            raise TypeError(
+                f"DeviceLoader takes an ImageDataset (from gpukit.data.shapes() or cifar10()), got "
+                f"{type(dataset).__name__}; use gpukit.data.dataloader() for other datasets."
+            )
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty; give it at least one image.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must lie in 0..world_size-1, got rank={rank}, world_size={world_size}.")
+        self.device = resolve_device(device)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.augment = augment
+        self.padding = padding
+        self.drop_last = shuffle if drop_last is None else drop_last
+        self.dtype = dtype
+        self.channels_last = channels_last
+        self.seed = seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.images = dataset.images.to(self.device)  # uint8: 4× less memory than float32
+        self.labels = dataset.labels.to(self.device)
+        self.mean = (dataset.mean * 255).to(self.device, dtype)[None, :, None, None]
+        self.std = (dataset.std * 255).to(self.device, dtype)[None, :, None, None]
+        self.generator = torch.Generator(self.device)
+        self.shard_size = len(dataset) // world_size if world_size > 1 else len(dataset)
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.dataset.classes
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.shard_size // self.batch_size
+        return math.ceil(self.shard_size / self.batch_size)
+
+    def _order(self) -> torch.Tensor:
+        if self.shuffle:
+            self.generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(len(self.labels), device=self.device, generator=self.generator)
+        else:
+            order = torch.arange(len(self.labels), device=self.device)
+        # Every rank drew the same permutation; each takes an interleaved, equal-sized shard.
+        return order[self.rank : self.shard_size * self.world_size : self.world_size]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self._order()
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start : start + self.batch_size]
+            images = self.images[index].to(self.dtype)
+            if self.augment:
+                images = random_crop_flip(images, self.padding, True, self.generator)
+            images = ((images - self.mean) / self.std).contiguous(memory_format=memory_format)
+            yield images, self.labels[index]
+        self.epoch += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceLoader({len(self.dataset)} images on {self.device}, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, augment={self.augment}, {len(self)} batches)"
+        )
+
+
+class _CropFlip:
+    """Per-image random crop and flip for the DataLoader path (runs in worker processes)."""
+
+    def __init__(self, padding: int):
+        self.padding = padding
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return random_crop_flip(image[None], self.padding, True, None)[0]
+
+
+def dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    augment: bool = False,
+    padding: int = 2,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+    prefetch_factor: int | None = None,
+    drop_last: bool | None = None,
+    seed: int = 0,
+) -> DataLoader:
+    """The standard PyTorch input pipeline: worker processes, pinned memory and prefetching.
+
+    Augmentation (for an ImageDataset) runs per image on the CPU, as with torchvision transforms.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty; give it at least one image.")
+    if augment:
+        if not isinstance(dataset, ImageDataset):
+            raise TypeError("augment=True needs an ImageDataset; add a transform to your own dataset instead.")
+        dataset = ImageDataset(dataset.images, dataset.labels, dataset.classes, dataset.mean, dataset.std, _CropFlip(padding))
+    if pin_memory is None:
+        from .env import detect
+
+        pin_memory = detect().device == "cuda"  # asks NVML: does not initialise CUDA here
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=num_workers > 0,
+        drop_last=shuffle if drop_last is None else drop_last,
+        generator=torch.Generator().manual_seed(seed),
+    )

@@ -1,0 +1,82 @@
+"""Matplotlib figures for the lessons. Each function returns the Figure it drew."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.5):
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return figure, list(axes[0])
+
+
+def plot_history(history, title: str | None = None):
+    """Loss per logged step, and train/eval accuracy per epoch."""
+    figure, (loss_axis, accuracy_axis) = _figure(2)
+    loss_axis.plot([r["step"] for r in history.steps], [r["loss"] for r in history.steps])
+    loss_axis.set(xlabel="optimizer step", ylabel="training loss", yscale="log", title="loss")
+    epochs = [r["epoch"] for r in history.epochs]
+    accuracy_axis.plot(epochs, [r["train_accuracy"] for r in history.epochs], "o-", label="train")
+    if any(r["eval_accuracy"] is not None for r in history.epochs):
+        accuracy_axis.plot(epochs, [r["eval_accuracy"] for r in history.epochs], "o-", label="held-out")
+    accuracy_axis.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="accuracy")
+    accuracy_axis.legend()
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], *, xlabel: str, ylabel: str,
+                title: str = "", logx: bool = False, logy: bool = False):
+    """Several named (x, y) curves on one axis."""
+    figure, (axis,) = _figure()
+    for name, (x, y) in curves.items():
+        axis.plot(x, y, "o-", label=name)
+    axis.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logx:
+        axis.set_xscale("log", base=2)
+    if logy:
+        axis.set_yscale("log")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def plot_bars(values: dict[str, float], *, ylabel: str, title: str = "", reference: float | None = None):
+    """One bar per name; an optional dashed reference line (e.g. 1.0 for a ratio)."""
+    figure, (axis,) = _figure(width=max(4.0, 0.9 * len(values) + 2))
+    axis.bar(list(values), list(values.values()))
+    if reference is not None:
+        axis.axhline(reference, color="gray", linestyle="--", linewidth=1)
+    axis.set(ylabel=ylabel, title=title)
+    axis.tick_params(axis="x", rotation=20)
+    figure.tight_layout()
+    return figure
+
+
+def show_images(images, labels, classes: Sequence[str], count: int = 16, mean=None, std=None):
+    """A grid of images (uint8 (N, C, H, W), or normalised floats with mean/std) with their class names."""
+    import math
+
+    import torch
+
+    images = images[:count].detach().cpu()
+    if images.dtype != torch.uint8:
+        images = images * torch.as_tensor(std)[:, None, None] + torch.as_tensor(mean)[:, None, None]
+        images = (images.clamp(0, 1) * 255).to(torch.uint8)
+    columns = min(8, len(images))
+    rows = math.ceil(len(images) / columns)
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(rows, columns, figsize=(1.3 * columns, 1.5 * rows), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, image, label in zip(axes.flat, images, labels[:count]):
+        axis.imshow(image.permute(1, 2, 0).numpy())
+        axis.set_title(classes[int(label)], fontsize=8)
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,124 @@
+"""Numeric precision as one small object: autocast context, loss scaling, optimizer step.
+
+"fp32"        plain float32.
+"tf32"        float32 storage, TF32 tensor-core matmuls and convolutions (CUDA, Ampere or newer).
+"bf16-mixed"  autocast to bfloat16; same exponent range as fp32, so no loss scaling is needed.
+"fp16-mixed"  autocast to float16 with dynamic loss scaling (torch.amp.GradScaler): fp16's
+              small range makes small gradients underflow to zero unless the loss is scaled up.
+
+A disabled feature is an object that does nothing (a disabled GradScaler, autocast with
+enabled=False), so the training loop has one code path for every precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed")
+_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class Precision:
+    """Autocast, backward with loss scaling, and the optimizer step for one precision."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.device = device
+        self.dtype = _AUTOCAST_DTYPE.get(name)  # None: no autocast
+        self.scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16-mixed")
+        self.skipped_steps = 0  # optimizer steps skipped because fp16 gradients overflowed
+        self._last_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r}, device={str(self.device)!r})"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass and the loss."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
+
+    @contextlib.contextmanager
+    def flags(self) -> Iterator[None]:
+        """Set the global matmul/convolution flags this precision needs, and restore them after.
+
+        Only "tf32" changes anything: it lets cuBLAS and cuDNN use TF32 tensor cores.
+        """
+        if self.name != "tf32":
+            yield
+            return
+        matmul_before = torch.get_float32_matmul_precision()
+        cudnn_before = torch.backends.cudnn.allow_tf32
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(matmul_before)
+            torch.backends.cudnn.allow_tf32 = cudnn_before
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor], clip: float | None = None
+    ) -> None:
+        """Unscale (fp16), clip the gradient norm if asked, step, and update the loss scale.
+
+        Gradients are unscaled before clipping so that `clip` is a bound on the true
+        gradient norm, not on the scaled one.
+        """
+        if clip is not None:
+            self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip)
+        self.scaler.step(optimizer)  # skips the step if fp16 gradients hold inf or NaN
+        self.scaler.update()
+        if self.scaler.is_enabled():
+            # GradScaler.step already synchronised to check for overflow, so reading the
+            # scale costs little; the scale drops exactly when a step was skipped.
+            scale = self.scaler.get_scale()
+            self.skipped_steps += scale < self._last_scale
+            self._last_scale = scale
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["name"] != self.name:
+            raise ValueError(
+                f"this checkpoint was trained with precision={state['name']!r}, not {self.name!r}; "
+                f"pass precision={state['name']!r} to resume it."
+            )
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state["skipped_steps"]
+        self._last_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+
+
+def _check_supported(name: str, device: torch.device) -> None:
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name!r} is unknown; use one of {', '.join(map(repr, PRECISIONS))}.")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if name in ("tf32", "bf16-mixed") and capability < (8, 0):
+            instead = "'fp16-mixed'" if name == "bf16-mixed" else "'fp32' or 'fp16-mixed'"
+            raise ValueError(
+                f"precision={name!r} needs a GPU of compute capability 8.0 (Ampere) or newer; "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}. Use {instead}."
+            )
+    elif name == "tf32":
+        raise ValueError(
+            f"precision='tf32' is a mode of NVIDIA GPUs (Ampere or newer) and does nothing on {device.type}; "
+            "use 'fp32', or 'bf16-mixed' for reduced precision."
+        )
+
+
+def get_precision(precision: str | Precision, device: torch.device | str) -> Precision:
+    """The one place where a precision string becomes a Precision object for a device."""
+    device = torch.device(device)
+    if isinstance(precision, Precision):
+        if precision.device.type != device.type:
+            raise ValueError(f"{precision!r} was made for {precision.device}, not {device}; pass the name instead.")
+        return precision
+    _check_supported(precision, device)
+    return Precision(precision, device)

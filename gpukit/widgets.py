@@ -1,0 +1,83 @@
+"""Live views for Jupyter: a progress bar (tqdm.auto) and an optional live loss plot.
+
+In a terminal the bar is text and the live plot does nothing; when progress is off,
+everything here does nothing.
+"""
+
+from __future__ import annotations
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (where widgets can be shown)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class LivePlot:
+    """A loss curve redrawn in place in a notebook output area, every few updates."""
+
+    def __init__(self, every: int = 5):
+        import ipywidgets
+        from IPython.display import display
+
+        self.output = ipywidgets.Output()
+        self.every = every
+        self.calls = 0
+        display(self.output)
+
+    def update(self, history, force: bool = False) -> None:
+        self.calls += 1
+        if not force and self.calls % self.every:
+            return
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        from .plots import plot_history
+
+        with self.output:
+            self.output.clear_output(wait=True)
+            figure = plot_history(history)
+            display(figure)
+            plt.close(figure)
+
+
+class Progress:
+    """A tqdm.auto bar over optimizer steps, showing the latest loss and throughput."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, live_plot: bool = False):
+        self.bar = None
+        self.live = None
+        self.history = None
+        if not enabled:
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)
+        if live_plot and in_notebook():
+            self.live = LivePlot()
+
+    def update(self, steps: int, row: dict, history) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(steps)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", img_s=f"{row['images_per_second']:.0f}", refresh=False)
+        self.history = history
+        if self.live is not None:
+            self.live.update(history)
+
+    def epoch_done(self, history) -> None:
+        if self.bar is None or not history.epochs:
+            return
+        row = history.epochs[-1]
+        accuracy = row["eval_accuracy"] if row["eval_accuracy"] is not None else row["train_accuracy"]
+        self.bar.set_description(f"epoch {row['epoch']} acc {accuracy:.3f}")
+
+    def close(self) -> None:
+        if self.live is not None and self.history is not None and self.history.steps:
+            self.live.update(self.history, force=True)  # the final curve stays in the output
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+import gpukit as gk
+from gpukit.precision import Precision, get_precision
+
+
+def test_strings_become_objects_once():
+    cpu = torch.device("cpu")
+    for name in gk.PRECISIONS:
+        if name == "tf32":
+            continue
+        precision = get_precision(name, cpu)
+        assert precision.name == name and get_precision(precision, cpu) is precision
+    assert get_precision("fp16-mixed", cpu).scaler.is_enabled()
+    assert not get_precision("bf16-mixed", cpu).scaler.is_enabled()  # bf16 needs no loss scaling
+
+
+def test_autocast_dtypes_on_cpu():
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    for name, dtype in (("fp32", torch.float32), ("bf16-mixed", torch.bfloat16), ("fp16-mixed", torch.float16)):
+        with get_precision(name, "cpu").autocast():
+            assert layer(x).dtype == dtype
+
+
+def test_unknown_and_unsupported_precisions():
+    with pytest.raises(ValueError, match="precision='fp8' is unknown; use one of 'fp32'"):
+        get_precision("fp8", "cpu")
+    with pytest.raises(ValueError, match="tf32.*use 'fp32'"):
+        get_precision("tf32", "cpu")
+
+
+def test_pre_ampere_gpu_refuses_bf16_and_tf32(monkeypatch):
+    """On a V100 (compute capability 7.0) bf16 and tf32 are unsupported: the error names what to use."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ValueError, match="V100.*7.0. Use 'fp16-mixed'"):
+        get_precision("bf16-mixed", "cuda")
+    with pytest.raises(ValueError, match="Use 'fp32' or 'fp16-mixed'"):
+        get_precision("tf32", "cuda")
+
+
+def test_fp16_overflow_skips_the_step_and_is_counted():
+    precision = get_precision("fp16-mixed", "cpu")
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    precision.backward((weight * torch.tensor([1.0, float("inf"), 1.0])).sum())
+    precision.step(optimizer, [weight])
+    assert precision.skipped_steps == 1 and torch.equal(weight.detach(), torch.ones(3))  # step skipped
+    optimizer.zero_grad()
+    precision.backward(weight.sum())
+    precision.step(optimizer, [weight])
+    assert precision.skipped_steps == 1 and not torch.equal(weight.detach(), torch.ones(3))
+
+
+def test_clipping_bounds_the_unscaled_gradient():
+    precision = get_precision("fp16-mixed", "cpu")
+    weight = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    precision.backward((weight * 100).sum())  # true gradient norm 200, scaled by 65536
+    precision.step(optimizer, [weight], clip=1.0)
+    assert weight.detach().norm().item() == pytest.approx(1.0, rel=1e-3)  # clipped to the true-norm bound
+
+
+def test_scaler_state_round_trips_and_checks_the_name():
+    precision = get_precision("fp16-mixed", "cpu")
+    precision.skipped_steps = 3
+    state = precision.state_dict()
+    again = get_precision("fp16-mixed", "cpu")
+    again.load_state_dict(state)
+    assert again.skipped_steps == 3 and again.scaler.get_scale() == precision.scaler.get_scale()
+    with pytest.raises(ValueError, match="pass precision='fp16-mixed'"):
+        get_precision("bf16-mixed", "cpu").load_state_dict(state)
+
+
+def test_tf32_flags_are_restored():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    with Precision("tf32", torch.device("cpu")).flags():
+        assert torch.get_float32_matmul_precision() == "high"
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before

@@ -173,8 +173,8 @@ def shapes(train_size: int = 50_000, test_size: int = 10_000, seed: int = 0) -> 
 def _cifar10_missing_message(root: Path, reason: str) -> str:
     return (
         f"CIFAR-10 is not in {root.resolve()} ({reason}). Download {CIFAR10_URL} on a machine with internet "
-        f"access and put the file cifar-10-python.tar.gz in {root.resolve()}, then call cifar10(root={str(root)!r}) "
-        "again; or use gpukit.data.shapes() for an offline dataset."
+        f"access, put the file cifar-10-python.tar.gz in {root.resolve()} and run again (it is checked and "
+        "unpacked there); or use the offline shapes dataset instead."
     )
 
 
@@ -201,8 +201,8 @@ def cifar10(root: str | Path = "data", download: bool = True, timeout: float = 3
         test = CIFAR10(str(root), train=False, download=False)
     except (urllib.error.URLError, OSError) as error:
         raise FileNotFoundError(_cifar10_missing_message(root, f"download failed: {error}")) from error
-    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted"
-        raise FileNotFoundError(_cifar10_missing_message(root, str(error).rstrip("."))) from error
+    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted. You can use download=True …"
+        raise FileNotFoundError(_cifar10_missing_message(root, "files missing or corrupted")) from error
 
     def as_tensors(split):
         images = torch.from_numpy(split.data).permute(0, 3, 1, 2).contiguous()  # NHWC → NCHW, uint8

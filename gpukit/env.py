@@ -194,7 +194,7 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     if device.type == "cuda":
         count = len(_cuda_gpus())
         if count == 0:
-            raise ValueError("device='cuda' was asked for but this machine has no CUDA GPU; use device='cpu'.")
+            raise ValueError(f"device='{device}' was asked for but this machine has no CUDA GPU; use device='cpu'.")
         if device.index is not None and device.index >= count:
             raise ValueError(
                 f"device='{device}' does not exist: this machine has {count} CUDA GPU(s), "

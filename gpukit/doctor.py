@@ -1,0 +1,455 @@
+"""Environment report: versions, CPU threads, the chosen device, and GPU health as NVML sees it.
+
+`collect()` gathers facts into a plain `Report`; `warnings(report)` derives what looks wrong
+from those facts alone, so every rule can be tested on a CPU with a fabricated report.
+
+Nothing here initialises CUDA in this process, so a notebook can still fork GPU workers after
+calling `doctor()`: GPU facts come from NVML (the driver's management library), versions from
+what torch was built with, and the device from `gpukit.detect()`.
+
+Note: `gpukit.doctor` is the function below (re-exported by the package), so reach the rest of
+this module with `from gpukit.doctor import collect, warnings, Report`.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.metadata
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .env import detect
+from .report import Table, format_bytes
+
+# Bits of NVML's "clocks event reasons" (formerly "clocks throttle reasons") mask: why the GPU
+# runs below its maximum clocks. Values from nvml.h (nvmlClocksEventReason*).
+CLOCK_REASONS = {
+    0x1: "idle",
+    0x2: "application clocks setting",
+    0x4: "software power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "software thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "hardware power brake slowdown",
+    0x100: "display clock setting",
+}
+# Reasons that are a choice or a rest state, not a sign the GPU cannot keep up.
+BENIGN_CLOCK_REASONS = frozenset({"idle", "application clocks setting", "display clock setting"})
+
+# What to do about each reason that lowers clocks under load: one sentence each.
+_CLOCK_ADVICE = {
+    "software power cap": "It is at its power limit: normal under full load, but check the limit with "
+    "`nvidia-smi -q -d POWER`.",
+    "hardware slowdown": "The hardware slowed it (overheating or the power supply): ask the machine's admin to "
+    "check cooling and power.",
+    "sync boost": "It is held to the clocks of a sync-boost group: ask the admin whether the group is needed.",
+    "software thermal slowdown": "It is too hot: improve cooling or airflow, and let it cool down.",
+    "hardware thermal slowdown": "It is too hot: improve cooling or airflow, and let it cool down.",
+    "hardware power brake slowdown": "The power supply asked it to slow down: ask the admin to check the power supply.",
+}
+_DEFAULT_CLOCK_ADVICE = "See why with `nvidia-smi -q -d PERFORMANCE`."
+
+
+@dataclass
+class GPUProcess:
+    """A process holding memory on a GPU (from NVML's list of compute processes)."""
+
+    pid: int  # as the driver sees it: inside a container this can be the host's PID
+    used_memory: int | None = None  # bytes; None where the driver does not say (e.g. Windows WDDM)
+    name: str | None = None
+
+
+@dataclass
+class GPUStatus:
+    """One GPU's state at the moment of the report. None: NVML could not tell."""
+
+    index: int
+    name: str
+    memory_total: int | None = None  # bytes
+    memory_used: int | None = None  # bytes, by all processes
+    utilization: int | None = None  # % of the last sample period in which a kernel ran
+    temperature: int | None = None  # °C
+    power_draw: float | None = None  # W
+    power_limit: float | None = None  # W, the enforced limit
+    sm_clock: int | None = None  # MHz
+    memory_clock: int | None = None  # MHz
+    clock_reasons: list[str] = field(default_factory=list)  # why clocks are below maximum, decoded
+    processes: list[GPUProcess] = field(default_factory=list)
+
+
+@dataclass(repr=False)
+class Report:
+    """Facts about this environment. Every field has a default so tests can fabricate one."""
+
+    python_version: str = ""
+    platform: str = ""
+    torch_version: str = ""
+    torchvision_version: str | None = None  # None: not installed
+    cuda_runtime: str | None = None  # torch.version.cuda, e.g. "12.8"; None for a CPU-only build
+    cudnn_version: str | None = None
+    nccl_version: str | None = None
+    cpu_count: int = 1  # logical CPUs of the machine
+    usable_cpus: int = 1  # CPUs this process may use (affinity and container CPU quota)
+    torch_threads: int = 1  # torch intra-op threads
+    device: str | None = None  # what gpukit.detect() chose: "cuda", "mps" or "cpu"
+    profile: str | None = None
+    profile_reason: str = ""
+    detect_error: str | None = None  # gpukit.detect() raised this (e.g. a bad GPUKIT_PROFILE)
+    nvml: str = "not installed"  # "ok", or why NVML gave no GPU facts
+    driver_version: str | None = None
+    driver_cuda_version: str | None = None  # newest CUDA the driver supports, e.g. "12.4"
+    gpus: list[GPUStatus] = field(default_factory=list)
+    nvidia_smi: bool = False  # nvidia-smi is on PATH: a hint of NVIDIA GPUs even without NVML
+    pid: int = field(default_factory=os.getpid)  # the process that collected the report
+
+    def facts_table(self) -> Table:
+        cpus = f"{self.usable_cpus} usable of {self.cpu_count}"
+        if self.profile is None:
+            profile = "n/a (gpukit.detect() failed)" if self.detect_error else None
+        else:
+            profile = f"{self.profile} ({self.profile_reason})" if self.profile_reason else self.profile
+        rows = [
+            ("Python", self.python_version),
+            ("platform", self.platform),
+            ("torch", self.torch_version),
+            ("torchvision", self.torchvision_version or "not installed"),
+            ("CUDA runtime (torch built for)", self.cuda_runtime or "none (CPU-only build)"),
+            ("cuDNN", self.cudnn_version),
+            ("NCCL", self.nccl_version),
+            ("CPUs", cpus),
+            ("torch intra-op threads", self.torch_threads),
+            ("device (gpukit.detect)", self.device),
+            ("profile", profile),
+            ("NVML", self.nvml),
+            ("NVIDIA driver", self.driver_version),
+            ("driver supports CUDA up to", self.driver_cuda_version),
+        ]
+        return Table([{"item": item, "value": value} for item, value in rows], title="gpukit doctor")
+
+    def gpu_table(self) -> Table:
+        rows = [
+            {
+                "gpu": gpu.index,
+                "name": gpu.name,
+                "memory used / total": f"{format_bytes(gpu.memory_used)} / {format_bytes(gpu.memory_total)}",
+                "util %": gpu.utilization,
+                "temp °C": gpu.temperature,
+                "power W": f"{_number(gpu.power_draw)} / {_number(gpu.power_limit)}",
+                "SM MHz": gpu.sm_clock,
+                "memory MHz": gpu.memory_clock,
+                "clocks limited by": ", ".join(gpu.clock_reasons) or "nothing",
+            }
+            for gpu in self.gpus
+        ]
+        return Table(rows, title="GPUs (from NVML)")
+
+    def process_table(self) -> Table:
+        rows = [
+            {
+                "gpu": gpu.index,
+                "pid": process.pid,
+                "name": process.name,
+                "memory": format_bytes(process.used_memory),
+                "who": "this process" if process.pid == self.pid else "another process",
+            }
+            for gpu in self.gpus
+            for process in gpu.processes
+        ]
+        return Table(rows, columns=["gpu", "pid", "name", "memory", "who"], title="Processes holding GPU memory")
+
+    def _tables(self) -> list[Table]:
+        tables = [self.facts_table()]
+        if self.gpus:
+            tables.append(self.gpu_table())
+            if any(gpu.processes for gpu in self.gpus):
+                tables.append(self.process_table())
+        return tables
+
+    def __str__(self) -> str:
+        found = warnings(self)
+        verdict = "\n".join(["Warnings:", *(f"- {warning}" for warning in found)]) if found else "no problems found"
+        return "\n\n".join([str(table) for table in self._tables()] + [verdict])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        found = warnings(self)
+        if found:
+            items = "".join(f"<li>{html.escape(warning)}</li>" for warning in found)
+            verdict = f"<p><b>Warnings</b></p><ul>{items}</ul>"
+        else:
+            verdict = "<p><b>no problems found</b></p>"
+        return "<div>" + "".join(table._repr_html_() for table in self._tables()) + verdict + "</div>"
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Warnings: pure functions of a Report
+
+
+def decode_clock_reasons(mask: int) -> list[str]:
+    """NVML's clocks event (throttle) reasons bit mask → readable names, lowest bit first."""
+    names = []
+    for bit in range(mask.bit_length()):
+        value = 1 << bit
+        if mask & value:
+            names.append(CLOCK_REASONS.get(value, f"unknown reason 0x{value:x}"))
+    return names
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    """'12.4' → (12, 4); None or text that is not a dotted version → None."""
+    if not version:
+        return None
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _driver_warning(report: Report) -> str | None:
+    runtime, driver = _version_tuple(report.cuda_runtime), _version_tuple(report.driver_cuda_version)
+    if runtime is None or driver is None or driver >= runtime:
+        return None
+    driver_name = f"The NVIDIA driver {report.driver_version}" if report.driver_version else "The NVIDIA driver"
+    start = (
+        f"{driver_name} supports CUDA up to {report.driver_cuda_version}, "
+        f"but torch {report.torch_version} was built for CUDA {report.cuda_runtime}"
+    )
+    if driver[0] < runtime[0]:
+        consequence = "CUDA will fail to start with this driver."
+    else:
+        consequence = (
+            "it runs through CUDA minor-version compatibility, but features newer than the driver "
+            "(some compiled kernels) may fail."
+        )
+    return (
+        f"{start}: {consequence} Update the NVIDIA driver to one for CUDA {report.cuda_runtime} or newer, or install "
+        f"a torch build for CUDA {report.driver_cuda_version} or older (https://pytorch.org/get-started/locally/)."
+    )
+
+
+def _clock_warning(gpu: GPUStatus) -> str | None:
+    limiting = [reason for reason in gpu.clock_reasons if reason not in BENIGN_CLOCK_REASONS]
+    if not limiting:
+        return None
+    # One piece of advice per distinct cause, in the order the reasons were reported.
+    advice = " ".join(dict.fromkeys(_CLOCK_ADVICE.get(reason, _DEFAULT_CLOCK_ADVICE) for reason in limiting))
+    return (
+        f"GPU {gpu.index} ({gpu.name}) runs below full clocks because of {', '.join(limiting)}, so timings "
+        f"taken now understate it. {advice} Then measure again."
+    )
+
+
+def _process_warning(gpu: GPUStatus, own_pid: int) -> str | None:
+    others = [process for process in gpu.processes if process.pid != own_pid]
+    if not others:
+        return None
+    listed = ", ".join(
+        f"PID {process.pid}" + (f" {process.name}" if process.name else "") + f" ({format_bytes(process.used_memory)})"
+        for process in others
+    )
+    return (
+        f"GPU {gpu.index} ({gpu.name}) has memory held by {len(others)} other process(es): {listed}. They compete "
+        "for memory and compute, so measurements will be noisy and large batches may not fit; stop them if they "
+        "are yours (a forgotten notebook kernel?) or pick a free GPU with CUDA_VISIBLE_DEVICES."
+    )
+
+
+def _cpu_only_build_warning(report: Report) -> str | None:
+    if report.cuda_runtime is not None or not (report.gpus or report.nvidia_smi):
+        return None
+    seen = f"NVML sees {', '.join(gpu.name for gpu in report.gpus)}" if report.gpus else "nvidia-smi is on PATH"
+    return (
+        f"torch {report.torch_version} is a CPU-only build, but this machine has NVIDIA GPUs ({seen}): "
+        "everything will run on the CPU. Install a CUDA build of torch (https://pytorch.org/get-started/locally/)"
+        + (f" for CUDA {report.driver_cuda_version} or older." if report.driver_cuda_version else ".")
+    )
+
+
+def _threads_warning(report: Report) -> str | None:
+    if report.torch_threads <= report.usable_cpus:
+        return None
+    return (
+        f"torch uses {report.torch_threads} intra-op threads but this process can use only {report.usable_cpus} "
+        f"CPUs, so threads compete for cores and CPU work slows down. Call torch.set_num_threads({report.usable_cpus}) "
+        f"or set OMP_NUM_THREADS={report.usable_cpus} before starting Python."
+    )
+
+
+def warnings(report: Report) -> list[str]:
+    """What looks wrong in `report`, each with what to do about it. Empty: no problems found."""
+    found = [f"gpukit.detect() failed: {report.detect_error}"] if report.detect_error else []
+    found += [_driver_warning(report)]
+    found += [_clock_warning(gpu) for gpu in report.gpus]
+    found += [_process_warning(gpu, report.pid) for gpu in report.gpus]
+    found += [_cpu_only_build_warning(report), _threads_warning(report)]
+    return [warning for warning in found if warning]
+
+
+# ---------------------------------------------------------------------------------------------
+# Collecting facts
+
+
+def _text(value) -> str | None:
+    """NVML strings are bytes in older bindings and str in newer ones."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on: its CPU affinity, capped by a container's CPU quota (cgroup v2)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as file:
+            quota, period = file.read().split()[:2]  # "max 100000" (no limit) or "200000 100000" (2 CPUs)
+        if quota != "max":
+            count = min(count, max(1, -(-int(quota) // int(period))))  # round up: 1.5 CPUs → 2 threads
+    except (OSError, ValueError):
+        pass  # not Linux, no cgroup v2, or no quota
+    return count
+
+
+def _cudnn_version() -> str | None:
+    # torch.backends.cudnn.version() also checks the devices' compute capability, which
+    # initialises CUDA; the number it returns is the one read here without that check.
+    if not torch.backends.cudnn.is_available():
+        return None
+    try:
+        from torch._C import _cudnn
+
+        number = _cudnn.getVersionInt()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    # cuDNN 9 encodes major*10000 + minor*100 + patch; cuDNN 8 and older major*1000 + minor*100 + patch.
+    major, rest = (number // 10000, number % 10000) if number >= 90000 else (number // 1000, number % 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def _nccl_version() -> str | None:
+    # Asks the NCCL library for its version number; this needs no GPU and does not initialise CUDA.
+    try:
+        import torch.cuda.nccl
+
+        return ".".join(str(part) for part in torch.cuda.nccl.version())
+    except (ImportError, AttributeError, RuntimeError):
+        return None  # torch built without NCCL (CPU-only, macOS, Windows)
+
+
+def _ask(pynvml, name: str, *args):
+    """Call the NVML query `name`; None where this binding, driver or GPU does not have it."""
+    function = getattr(pynvml, name, None)
+    if function is None:
+        return None
+    try:
+        return function(*args)
+    except pynvml.NVMLError:  # NotSupported, NoPermission, FunctionNotFound (older driver), …
+        return None
+
+
+def _nvml_facts() -> dict:
+    """Driver and per-GPU facts from NVML, as Report fields. Never raises for a missing driver."""
+    try:
+        import pynvml  # from the nvidia-ml-py package (extra "gpu")
+    except ImportError:
+        return {"nvml": "not installed (pip install nvidia-ml-py for GPU telemetry)"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return {"nvml": f"no NVIDIA driver found ({error})"}
+    try:
+        cuda = _ask(pynvml, "nvmlSystemGetCudaDriverVersion")  # e.g. 12040 for CUDA 12.4
+        gpus = []
+        for index in range(_ask(pynvml, "nvmlDeviceGetCount") or 0):
+            handle = _ask(pynvml, "nvmlDeviceGetHandleByIndex", index)
+            if handle is not None:  # None: e.g. a GPU the driver lost ("fallen off the bus")
+                gpus.append(_gpu_status(pynvml, index, handle))
+        return {
+            "nvml": "ok",
+            "driver_version": _text(_ask(pynvml, "nvmlSystemGetDriverVersion")),
+            "driver_cuda_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "gpus": gpus,
+        }
+    finally:
+        _ask(pynvml, "nvmlShutdown")
+
+
+def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
+    def ask(name: str, *args):
+        return _ask(pynvml, name, handle, *args)
+
+    memory = ask("nvmlDeviceGetMemoryInfo")
+    utilization = ask("nvmlDeviceGetUtilizationRates")
+    power_draw = ask("nvmlDeviceGetPowerUsage")  # mW
+    power_limit = ask("nvmlDeviceGetEnforcedPowerLimit")  # mW
+    # The newer name first; older bindings and drivers have only the "throttle" one.
+    mask = ask("nvmlDeviceGetCurrentClocksEventReasons")
+    if mask is None:
+        mask = ask("nvmlDeviceGetCurrentClocksThrottleReasons")
+    processes = []
+    for process in ask("nvmlDeviceGetComputeRunningProcesses") or []:
+        used = getattr(process, "usedGpuMemory", None)  # None where the driver does not say
+        name = _text(_ask(pynvml, "nvmlSystemGetProcessName", process.pid))
+        processes.append(GPUProcess(int(process.pid), None if used is None else int(used), name))
+    return GPUStatus(
+        index=index,
+        name=_text(ask("nvmlDeviceGetName")) or f"GPU {index}",
+        memory_total=None if memory is None else int(memory.total),
+        memory_used=None if memory is None else int(memory.used),
+        utilization=None if utilization is None else int(utilization.gpu),
+        temperature=ask("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU),  # °C
+        power_draw=None if power_draw is None else power_draw / 1000,  # mW → W
+        power_limit=None if power_limit is None else power_limit / 1000,
+        sm_clock=ask("nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM),  # MHz
+        memory_clock=ask("nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_MEM),
+        clock_reasons=decode_clock_reasons(mask) if mask is not None else [],
+        processes=processes,
+    )
+
+
+def collect() -> Report:
+    """Gather the facts of this environment, without initialising CUDA in this process."""
+    try:
+        # From the installed package's metadata: importing torchvision takes seconds.
+        torchvision_version = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
+        torchvision_version = None
+    try:
+        env = detect()
+        device, profile, profile_reason, detect_error = env.device, env.profile.name, env.profile_reason, None
+    except ValueError as error:  # a bad GPUKIT_PROFILE: report it rather than fail the doctor
+        device, profile, profile_reason, detect_error = None, None, "", str(error)
+    return Report(
+        python_version=sys.version.split()[0],
+        platform=platform.platform(),
+        torch_version=torch.__version__,
+        torchvision_version=torchvision_version,
+        cuda_runtime=torch.version.cuda,
+        cudnn_version=_cudnn_version(),
+        nccl_version=_nccl_version(),
+        cpu_count=os.cpu_count() or 1,
+        usable_cpus=_usable_cpus(),
+        torch_threads=torch.get_num_threads(),
+        device=device,
+        profile=profile,
+        profile_reason=profile_reason,
+        detect_error=detect_error,
+        nvidia_smi=shutil.which("nvidia-smi") is not None,
+        **_nvml_facts(),
+    )
+
+
+def doctor() -> Report:
+    """Report this environment and what looks wrong in it; shows as a table in Jupyter and in print().
+
+    Safe before forking GPU workers: it never initialises CUDA in this process.
+    """
+    return collect()

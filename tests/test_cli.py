@@ -1,0 +1,133 @@
+"""The `gpukit` command, run as a user would: `python -m gpukit …` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpukit
+from gpukit.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA_GPU = gpukit.detect().device == "cuda"  # asks NVML, not the CUDA runtime
+# Small enough for a 2-core CPU: one epoch of 8 steps.
+SMALL_RUN = ["--train-size", "512", "--test-size", "128", "--epochs", "1", "--width", "8", "--batch-size", "64"]
+
+
+def run_gpukit(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, GPUKIT_PROFILE="tiny")
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "gpukit", *args],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,  # seconds; a hang fails the test instead of stalling the suite
+    )
+
+
+def test_doctor_prints_the_report(tmp_path):
+    result = run_gpukit("doctor", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert torch.__version__ in result.stdout
+    assert "no problems found" in result.stdout or "Warnings:" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def small_training(tmp_path_factory):
+    """One short training run shared by the tests below (each subprocess costs seconds)."""
+    folder = tmp_path_factory.mktemp("train")
+    result = run_gpukit("train", *SMALL_RUN, "--no-progress", "--checkpoint-dir", "checkpoints", cwd=folder)
+    return result, folder
+
+
+def test_train_prints_accuracy_and_throughput(small_training):
+    result, _ = small_training
+    assert result.returncode == 0, result.stderr
+    last_line = result.stdout.strip().splitlines()[-1]
+    fields = dict(field.split("=") for field in last_line.split())
+    assert set(fields) == {"eval_accuracy", "images_per_second"}
+    assert 0.0 <= float(fields["eval_accuracy"]) <= 1.0
+    assert float(fields["images_per_second"]) > 0
+
+
+def test_train_writes_a_checkpoint(small_training):
+    result, folder = small_training
+    assert result.returncode == 0, result.stderr
+    assert (folder / "checkpoints" / "last.pt").is_file()
+
+
+def _assert_clean_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("gpukit: error: ")]
+    assert len(error_lines) == 1, result.stderr
+    for word in words:
+        assert word in error_lines[0], error_lines[0]
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--batch-size", "0"], ["--batch-size", "positive"]),
+        (["--device", "cpu", "--precision", "tf32"], ["tf32", "'fp32'"]),
+    ],
+    ids=["batch-size-0", "tf32-on-cpu"],
+)
+def test_bad_input_is_one_clear_line(tmp_path, arguments, words):
+    _assert_clean_error(run_gpukit("train", *arguments, "--no-progress", cwd=tmp_path, timeout=60), *words)
+
+
+def test_missing_cifar10_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_gpukit(
+        "train", "--dataset", "cifar10", "--data-dir", str(empty), "--no-download", cwd=tmp_path, timeout=60
+    )
+    _assert_clean_error(result, "CIFAR-10", str(empty))
+
+
+@pytest.mark.skipif(HAS_CUDA_GPU, reason="this machine has a CUDA GPU")
+def test_cuda_without_gpu_is_a_clear_error(tmp_path):
+    _assert_clean_error(run_gpukit("train", "--device", "cuda", cwd=tmp_path, timeout=60), "'cpu'")
+
+
+# In-process checks of main(): the argument checks run before any data is built, so these are quick.
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--epochs", "0"], ["--epochs", "positive"]),
+        (["--train-size", "-5"], ["--train-size", "-5"]),
+        (["--lr", "0"], ["--lr"]),
+        (["--model", "resnet18", "--width", "8"], ["--width", "fast_cnn"]),
+        (["--dataset", "cifar10", "--train-size", "100"], ["--train-size", "shapes"]),
+    ],
+    ids=["epochs-0", "negative-train-size", "lr-0", "width-with-resnet18", "size-with-cifar10"],
+)
+def test_main_rejects_bad_arguments(monkeypatch, capsys, arguments, words):
+    monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
+    assert main(["train", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("gpukit: error: ") and error.count("\n") == 1
+    for word in words:
+        assert word in error
+
+
+def test_main_without_a_command_shows_usage(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([])
+    assert exit.value.code == 2
+    assert "usage: gpukit" in capsys.readouterr().err
+
+
+def test_main_doctor(capsys):
+    assert main(["doctor"]) == 0
+    assert torch.__version__ in capsys.readouterr().out

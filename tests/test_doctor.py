@@ -1,0 +1,228 @@
+"""The environment report: facts collected here, and warning rules on fabricated reports."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import gpukit
+from gpukit import env
+from gpukit.doctor import GPUProcess, GPUStatus, Report, collect, decode_clock_reasons, warnings
+
+GiB = 2**30
+
+
+@pytest.fixture
+def forbid_cuda(monkeypatch):
+    """Fail on anything that would initialise CUDA (or the CUDA driver) in this process."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the doctor touched the CUDA runtime in the calling process")
+
+    for name in ("_lazy_init", "is_available", "device_count"):
+        monkeypatch.setattr(torch.cuda, name, fail)
+
+
+# ---------------------------------------------------------------------------------------------
+# collect() on this machine
+
+
+def test_collect_here_renders_as_text_and_html(forbid_cuda):
+    report = collect()
+    assert report.torch_version == torch.__version__
+    assert report.python_version.count(".") == 2
+    assert report.torch_threads == torch.get_num_threads()
+    assert 1 <= report.usable_cpus <= report.cpu_count
+    assert report.device in ("cuda", "mps", "cpu")
+    text = str(report)
+    assert torch.__version__ in text
+    assert ("no problems found" in text) != ("Warnings:" in text)
+    page = report._repr_html_()
+    assert page.startswith("<div>") and "<table>" in page and torch.__version__ in page
+    assert not torch.cuda.is_initialized()
+
+
+def test_doctor_is_collect():
+    assert isinstance(gpukit.doctor(), Report)
+
+
+def test_bad_profile_becomes_a_warning(monkeypatch):
+    monkeypatch.setenv("GPUKIT_PROFILE", "huge")
+    report = collect()
+    assert report.profile is None
+    assert any("GPUKIT_PROFILE" in warning for warning in warnings(report))
+
+
+# ---------------------------------------------------------------------------------------------
+# collect() with a fake NVML that reports one busy, hot GPU
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def _fake_pynvml() -> types.ModuleType:
+    def not_supported(*args):
+        raise FakeNVMLError("Not Supported")
+
+    clocks = {1: 1410, 2: 1593}  # MHz, by NVML_CLOCK_SM / NVML_CLOCK_MEM
+    fake = types.ModuleType("pynvml")
+    fake.__dict__.update(
+        NVMLError=FakeNVMLError,
+        NVML_TEMPERATURE_GPU=0,
+        NVML_CLOCK_SM=1,
+        NVML_CLOCK_MEM=2,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlSystemGetDriverVersion=lambda: "535.104.05",
+        nvmlSystemGetCudaDriverVersion=lambda: 12020,  # CUDA 12.2
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda index: f"handle{index}",
+        nvmlDeviceGetName=lambda handle: b"NVIDIA A100-SXM4-80GB",  # bytes, as older bindings return
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (8, 0),
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(total=80 * GiB, used=10 * GiB, free=70 * GiB),
+        nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=97, memory=40),
+        nvmlDeviceGetTemperature=lambda handle, sensor: 84,
+        nvmlDeviceGetPowerUsage=not_supported,
+        nvmlDeviceGetEnforcedPowerLimit=lambda handle: 400_000,  # mW
+        nvmlDeviceGetClockInfo=lambda handle, clock: clocks[clock],
+        # Only the older name: the doctor must fall back to it.
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda handle: 0x4 | 0x20,
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [types.SimpleNamespace(pid=4242, usedGpuMemory=8 * GiB)],
+        nvmlSystemGetProcessName=lambda pid: "python",
+    )
+    return fake
+
+
+def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    monkeypatch.setattr(env, "_cached_gpus", None)  # make detect() ask the fake NVML
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("GPUKIT_PROFILE", raising=False)
+    report = collect()
+
+    assert report.device == "cuda" and report.profile == "gpu"
+    assert report.nvml == "ok"
+    assert (report.driver_version, report.driver_cuda_version) == ("535.104.05", "12.2")
+    (gpu,) = report.gpus
+    assert gpu.name == "NVIDIA A100-SXM4-80GB"
+    assert (gpu.memory_total, gpu.memory_used) == (80 * GiB, 10 * GiB)
+    assert (gpu.utilization, gpu.temperature, gpu.sm_clock, gpu.memory_clock) == (97, 84, 1410, 1593)
+    assert gpu.power_draw is None and gpu.power_limit == 400.0  # W; unsupported queries become None
+    assert gpu.clock_reasons == ["software power cap", "software thermal slowdown"]
+    assert gpu.processes == [GPUProcess(4242, 8 * GiB, "python")]
+
+    found = warnings(report)
+    assert len(found) == 3, found
+    assert any("12.2" in warning and "12.8" in warning for warning in found)
+    assert any("software thermal slowdown" in warning for warning in found)
+    assert any("4242" in warning for warning in found)
+    text = str(report)
+    assert "A100" in text and "4242" in text and "Warnings:" in text
+    assert "4242" in report._repr_html_()
+    assert not torch.cuda.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# warnings() on fabricated reports
+
+
+def clean_report(**changes) -> Report:
+    """A healthy machine: a matching driver, an idle GPU holding only our own memory."""
+    facts = dict(
+        torch_version="2.11.0",
+        cuda_runtime="12.8",
+        driver_version="570.86.10",
+        driver_cuda_version="12.8",
+        cpu_count=16,
+        usable_cpus=16,
+        torch_threads=16,
+        device="cuda",
+        profile="gpu",
+        nvml="ok",
+        gpus=[
+            GPUStatus(0, "NVIDIA H100 80GB HBM3", clock_reasons=["idle"], processes=[GPUProcess(os.getpid(), 2 * GiB)])
+        ],
+        nvidia_smi=True,
+    )
+    facts.update(changes)
+    return Report(**facts)
+
+
+def test_clean_report_has_no_warnings():
+    report = clean_report()
+    assert warnings(report) == []
+    assert "no problems found" in str(report)
+    assert "no problems found" in report._repr_html_()
+
+
+def test_empty_cpu_machine_has_no_warnings():
+    assert warnings(Report()) == []
+
+
+@pytest.mark.parametrize("driver_cuda", ["12.2", "11.8"])
+def test_old_driver(driver_cuda):
+    (warning,) = warnings(clean_report(driver_cuda_version=driver_cuda))
+    assert driver_cuda in warning and "12.8" in warning and "driver" in warning
+    if driver_cuda.startswith("11"):
+        assert "fail to start" in warning
+
+
+def test_newer_driver_is_fine():
+    assert warnings(clean_report(driver_cuda_version="13.0")) == []
+
+
+@pytest.mark.parametrize(
+    "reason", ["hardware thermal slowdown", "software power cap", "hardware slowdown", "software thermal slowdown"]
+)
+def test_throttling(reason):
+    gpu = GPUStatus(1, "NVIDIA A100", clock_reasons=["idle", reason])
+    (warning,) = warnings(clean_report(gpus=[gpu]))
+    assert reason in warning and "GPU 1" in warning
+
+
+def test_idle_and_application_clocks_are_not_throttling():
+    gpu = GPUStatus(0, "NVIDIA A100", clock_reasons=["idle", "application clocks setting"])
+    assert warnings(clean_report(gpus=[gpu])) == []
+
+
+def test_foreign_process():
+    gpu = GPUStatus(
+        0, "NVIDIA A100", processes=[GPUProcess(os.getpid(), GiB), GPUProcess(os.getpid() + 1, 3 * GiB, "python")]
+    )
+    (warning,) = warnings(clean_report(gpus=[gpu]))
+    assert f"PID {os.getpid() + 1}" in warning and f"PID {os.getpid()} " not in warning
+    assert "3.0 GiB" in warning and "CUDA_VISIBLE_DEVICES" in warning
+
+
+@pytest.mark.parametrize("seen_by", ["nvml", "nvidia-smi"])
+def test_cpu_only_build_with_gpus(seen_by):
+    gpus = clean_report().gpus if seen_by == "nvml" else []
+    report = clean_report(cuda_runtime=None, gpus=gpus, nvml="ok" if gpus else "not installed", nvidia_smi=True)
+    (warning,) = warnings(report)
+    assert "CPU-only" in warning and "pytorch.org" in warning
+
+
+def test_cpu_only_build_without_gpus_is_fine():
+    assert warnings(clean_report(cuda_runtime=None, gpus=[], nvidia_smi=False, device="cpu")) == []
+
+
+def test_too_many_threads():
+    (warning,) = warnings(clean_report(torch_threads=32, usable_cpus=4))
+    assert "32" in warning and "torch.set_num_threads(4)" in warning
+
+
+def test_every_problem_at_once():
+    gpu = GPUStatus(0, "NVIDIA A100", clock_reasons=["hardware slowdown"], processes=[GPUProcess(1, None)])
+    report = clean_report(driver_cuda_version="12.0", gpus=[gpu], torch_threads=64, detect_error="bad profile")
+    assert len(warnings(report)) == 5
+    assert str(report).count("\n- ") == 5
+
+
+def test_decode_clock_reasons():
+    assert decode_clock_reasons(0) == []
+    assert decode_clock_reasons(0x1 | 0x40 | 0x1000) == ["idle", "hardware thermal slowdown", "unknown reason 0x1000"]

@@ -8,7 +8,9 @@ lazy allocation, compilation), and reports median and spread over repeats.
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -151,20 +153,19 @@ def flops_per_step(model: torch.nn.Module, sample_input: torch.Tensor, *, backwa
 
     Counted by torch.utils.flop_counter from the operators that run (matmuls and
     convolutions dominate; elementwise ops are not counted). Backward costs about twice
-    the forward. The optimizer step is not included. Parameter gradients are restored.
+    the forward. The optimizer step is not included. The count runs on a copy of the model
+    on the meta device: no arithmetic is done, and the model (its gradients, BatchNorm
+    statistics) is left untouched.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    saved = [p.grad for p in model.parameters()]
+    meta_model = copy.deepcopy(model).to("meta")
+    meta_input = sample_input.to("meta")
     counter = FlopCounterMode(display=False)
-    try:
-        with counter:
-            output = model(sample_input)
-            if backward:
-                output.float().sum().backward()
-    finally:
-        for parameter, grad in zip(model.parameters(), saved):
-            parameter.grad = grad
+    with counter:
+        output = meta_model(meta_input)
+        if backward:
+            output.float().sum().backward()
     return counter.get_total_flops()
 
 
@@ -178,15 +179,19 @@ def flops_per_step(model: torch.nn.Module, sample_input: torch.Tensor, *, backwa
 #   L40S: L40S datasheet (91.6 FP32, 183 TF32, 362 BF16/FP16 dense)
 #   H100 SXM / H200: H100 and H200 datasheets (67 FP32, 494.7 TF32, 989.4 BF16/FP16 dense)
 #   H100 PCIe: H100 datasheet (51 FP32, 378 TF32, 756 BF16/FP16 dense)
+#   H100 NVL: H100 datasheet, per GPU of the pair (60 FP32, 417.5 TF32, 835 BF16/FP16 dense)
+#   L40: L40 datasheet (90.5 FP32, 90.5 TF32, 181 BF16/FP16 dense)
 #   RTX 4090: Ada Lovelace architecture whitepaper (82.6 FP32, 82.6 TF32, 165.2 FP16/BF16 with FP32 accumulate)
 #   RTX 3090: Ampere GA102 whitepaper (35.6 FP32, 35.6 TF32, 71 FP16/BF16 with FP32 accumulate)
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.0, "fp16": 835.0},
     "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
     "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
     "A10": {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
     "L40S": {"fp32": 91.6, "tf32": 183.0, "bf16": 362.0, "fp16": 362.0},
+    "L40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0},
     "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
     "RTX 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2},
     "RTX 3090": {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0},
@@ -202,11 +207,17 @@ def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     `precision` is "fp32", "tf32", "bf16" or "fp16" (a "-mixed" suffix is ignored).
     """
     precision = precision.removesuffix("-mixed")
+    # Whole words only, so that "L40" does not match "L4" and "RTX 3090 Ti" does not match "RTX 3090".
+    words = set(re.split(r"[\s_-]+", device_name.upper()))
     for key, peaks in PEAK_TFLOPS.items():  # more specific names come first
-        words = key.split()
-        if all(word.lower() in device_name.lower() for word in words):
+        if set(key.upper().split()) <= words and not _is_variant(key, words):
             return peaks.get(precision)
     return None
+
+
+def _is_variant(key: str, words: set[str]) -> bool:
+    """A name with a suffix the table does not list (e.g. "Ti") is another GPU."""
+    return "TI" in words and "TI" not in key.upper().split()
 
 
 def mfu(flops_per_step: float, step_time: float, peak_tflops: float) -> float:

@@ -10,14 +10,15 @@ one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from . import data, models
+from . import data, distributed, models
 from .doctor import collect
 from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
-from .train import History, NonFiniteLossError, fit
+from .train import CheckpointError, History, NonFiniteLossError, fit
 
 EXIT_BAD_INPUT = 2  # the same code argparse uses for a bad command line
 EXIT_TRAINING_FAILED = 1
@@ -47,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", choices=("fast_cnn", "resnet18"), default="fast_cnn")
     train.add_argument("--width", type=int, help="base channel count of fast_cnn (default: the profile's)")
     train.add_argument("--epochs", type=int, help="default: the profile's")
-    train.add_argument("--batch-size", type=int, help="default: the profile's")
-    train.add_argument("--lr", type=float, default=0.2, help="peak learning rate (default: 0.2)")
+    train.add_argument("--batch-size", type=int, help="per process under torchrun (default: the profile's)")
+    train.add_argument("--lr", type=float, default=0.1, help="peak learning rate (default: 0.1, for batch 64)")
     train.add_argument("--precision", choices=PRECISIONS, default="fp32")
     train.add_argument("--device", default="auto", help="auto (the best present), cpu, cuda, cuda:N or mps")
     train.add_argument("--checkpoint-dir", help="save last.pt here after every epoch, and resume from it")
@@ -95,7 +96,9 @@ def train_main(args: argparse.Namespace) -> History:
         "--batch-size": args.batch_size if args.batch_size is not None else profile.batch_size,
     }
     _check_train_args(args, sizes)
-    device = resolve_device(None if args.device == "auto" else args.device)
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (one or many machines) or gk.distributed.launch
+        distributed.setup("gloo" if args.device == "cpu" else None)  # main() leaves the group at the end
+    device = resolve_device(distributed.default_device() if args.device == "auto" else args.device)
     get_precision(args.precision, device)  # raises now if unsupported here, before any data is loaded
 
     if args.dataset == "shapes":
@@ -106,7 +109,7 @@ def train_main(args: argparse.Namespace) -> History:
     seed_everything(args.seed)  # the model's initial weights
     model = models.fast_cnn(sizes["--width"]) if args.model == "fast_cnn" else models.resnet18()
     loader = data.DeviceLoader(train, sizes["--batch-size"], augment=args.augment, device=device, seed=args.seed)
-    print(
+    distributed.print0(
         f"training {args.model} on {args.dataset} ({len(train):,} train / {len(test):,} held-out images) "
         f"on {device}: precision={args.precision} epochs={sizes['--epochs']} batch_size={sizes['--batch-size']} "
         f"lr={args.lr} profile={profile.name}",
@@ -126,7 +129,7 @@ def train_main(args: argparse.Namespace) -> History:
     )
     accuracy = history.final_eval_accuracy
     accuracy_text = "n/a" if accuracy is None else f"{accuracy:.3f}"
-    print(f"eval_accuracy={accuracy_text} images_per_second={history.images_per_second:.0f}", flush=True)
+    distributed.print0(f"eval_accuracy={accuracy_text} images_per_second={history.images_per_second:.0f}", flush=True)
     return history
 
 
@@ -142,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NonFiniteLossError as error:
@@ -151,4 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpukit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        distributed.cleanup()  # leave the process group, if `gpukit train` joined one
     return 0

@@ -42,7 +42,7 @@ PROFILES = {
     # A laptop without a GPU: minutes per lesson.
     "cpu": Profile("cpu", 20_000, 5_000, 8, 32, 128, (16, 32, 64, 128, 256), 10, 1024),
     # Full size on a CUDA GPU.
-    "gpu": Profile("gpu", 50_000, 10_000, 10, 64, 512, (32, 64, 128, 256, 512, 1024), 20, 8192),
+    "gpu": Profile("gpu", 50_000, 10_000, 10, 64, 256, (32, 64, 128, 256, 512, 1024), 20, 8192),
 }
 
 

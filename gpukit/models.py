@@ -30,11 +30,12 @@ class FastCNN(nn.Sequential):
 
     Shapes for a (B, 3, 32, 32) input and width w:
     stem (B, w, 32, 32) → (B, 2w, 16, 16) → (B, 4w, 8, 8) → (B, 4w, 4, 4) → max over space
-    (B, 4w) → linear (B, classes). The logits are scaled down (×1/8) as in airbench, which
-    keeps the softmax from saturating early with a high learning rate.
+    (B, 4w) → linear (B, classes). The logits are scaled down, as in airbench, which keeps
+    the softmax from saturating early; ×1/2 learned fastest with SGD at lr 0.1 for batch 64
+    on the shapes dataset (airbench's ×1/8 goes with its much larger learning rate).
     """
 
-    def __init__(self, width: int = 64, num_classes: int = 10, logit_scale: float = 1 / 8):
+    def __init__(self, width: int = 64, num_classes: int = 10, logit_scale: float = 0.5):
         if width <= 0 or num_classes <= 0:
             raise ValueError(f"width and num_classes must be positive, got {width} and {num_classes}.")
         super().__init__(

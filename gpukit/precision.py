@@ -43,15 +43,17 @@ class Precision:
     def flags(self) -> Iterator[None]:
         """Set the global matmul/convolution flags this precision needs, and restore them after.
 
-        Only "tf32" changes anything: it lets cuBLAS and cuDNN use TF32 tensor cores.
+        "fp32" is strict fp32: PyTorch lets cuDNN use TF32 for convolutions by default on
+        Ampere and newer GPUs, which would make "fp32" quietly run at TF32 precision.
+        "tf32" turns TF32 on for matmuls and convolutions. Mixed precisions change nothing.
         """
-        if self.name != "tf32":
+        if self.name not in ("fp32", "tf32"):
             yield
             return
         matmul_before = torch.get_float32_matmul_precision()
         cudnn_before = torch.backends.cudnn.allow_tf32
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high" if self.name == "tf32" else "highest")
+        torch.backends.cudnn.allow_tf32 = self.name == "tf32"
         try:
             yield
         finally:

@@ -15,9 +15,12 @@ def format_value(value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "n/a"
-        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        magnitude = abs(value)
+        if value != 0 and (magnitude >= 1e7 or magnitude < 1e-3):
             return f"{value:.3g}"
-        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+        if magnitude >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.1f}" if magnitude >= 10 else (f"{value:.2f}" if magnitude >= 1 else f"{value:.3f}")
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)

@@ -30,7 +30,7 @@ def test_shapes_cnn_reaches_80_percent_and_linear_stays_below_50_in_tiny_profile
     train, test = shapes(tiny.train_size, tiny.test_size, seed=0)
     gk.seed_everything(0)
     cnn = gk.fit(
-        gk.models.fast_cnn(tiny.width), train, epochs=tiny.epochs, batch_size=tiny.batch_size, lr=0.2,
+        gk.models.fast_cnn(tiny.width), train, epochs=tiny.epochs, batch_size=tiny.batch_size, lr=0.1,
         eval_data=test, progress=False,
     )  # fmt: skip
     assert cnn.final_eval_accuracy >= 0.8

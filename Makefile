@@ -15,7 +15,6 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "gpukit needs Python 3.10 or newer; set PYTHON=python3.11 (or another) and run make again.")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev,gpu]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (gpukit)" >/dev/null
 	touch $(STAMP)
@@ -24,13 +23,13 @@ lab: setup
 	$(BIN)/jupyter lab notebooks/
 
 test: setup
-	$(BIN)/python -m pytest tests/ --nbval-lax notebooks/ -p no:cacheprovider
+	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider
 
 unit: setup
 	$(BIN)/python -m pytest tests/
 
 notebooks: setup
-	$(BIN)/python -m pytest --nbval-lax notebooks/
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks/
 
 lint: setup
 	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks

@@ -70,7 +70,9 @@ def measure(precision: str, args, device: torch.device) -> dict:
     runners = {
         "hand-written": lambda m: hand_written_loop(m, loader, args.steps, args.lr, dtype, device),
         "gpukit.fit": lambda m: gpukit_loop(m, loader, args.steps, args.lr, precision, device, progress=False),
-        "gpukit.fit + progress bar": lambda m: gpukit_loop(m, loader, args.steps, args.lr, precision, device, progress=True),
+        "gpukit.fit + progress bar": lambda m: gpukit_loop(
+            m, loader, args.steps, args.lr, precision, device, progress=True
+        ),
     }
     step_times: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(args.rounds + 1):  # round 0 warms up (allocator, caches) and is dropped
@@ -111,8 +113,10 @@ def main() -> None:
         print(f"{precision}: loops agree (max parameter difference {result['max_parameter_difference']:.1e})")
         rows += result["rows"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"\nfast CNN width {args.width}, batch {args.batch_size}, {args.steps} steps per call, {args.rounds} rounds, "
-          f"{device} ({name}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"\nfast CNN width {args.width}, batch {args.batch_size}, {args.steps} steps per call, {args.rounds} rounds, "
+        f"{device} ({name}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(gk.Table(rows))
 
 

@@ -4,7 +4,7 @@ Importing gpukit never initialises CUDA, so a notebook can still launch worker p
 that use the GPU afterwards.
 """
 
-from . import bench, data, models, plots
+from . import bench, checkpointing, data, distributed, memory, models, plots
 from .doctor import doctor
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, Precision, get_precision
@@ -16,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "PRECISIONS", "PROFILES", "Env", "History", "NonFiniteLossError", "Precision", "Profile", "Table",
     "bench", "data", "detect", "doctor", "plots", "evaluate", "fit", "format_bytes", "get_precision", "models",
-    "resolve_device", "seed_everything",
+    "checkpointing", "distributed", "memory", "resolve_device", "seed_everything",
 ]  # fmt: skip

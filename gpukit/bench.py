@@ -72,7 +72,9 @@ def _check_repeats(warmup: int, repeats: int) -> None:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}.")
 
 
-def timeit(fn: Callable[[], object], *, device: torch.device | str | None = "cpu", warmup: int = 2, repeats: int = 10) -> Timing:
+def timeit(
+    fn: Callable[[], object], *, device: torch.device | str | None = "cpu", warmup: int = 2, repeats: int = 10
+) -> Timing:
     """Time `fn()` on `device`: `warmup` untimed calls, then `repeats` timed calls.
 
     On CUDA each call is bracketed by CUDA events, read after one final synchronisation,
@@ -101,7 +103,13 @@ def timeit(fn: Callable[[], object], *, device: torch.device | str | None = "cpu
     return Timing(times)
 
 
-def compare(fns: dict[str, Callable[[], object]], *, device: torch.device | str | None = "cpu", warmup: int = 2, repeats: int = 10) -> dict[str, Timing]:
+def compare(
+    fns: dict[str, Callable[[], object]],
+    *,
+    device: torch.device | str | None = "cpu",
+    warmup: int = 2,
+    repeats: int = 10,
+) -> dict[str, Timing]:
     """Time several functions interleaved (A, B, A, B, …) so drift (clocks, heat, other load)
     affects all of them alike. Returns each one's Timing; compare with `ratios`."""
     _check_repeats(warmup, repeats)
@@ -127,7 +135,9 @@ def ratios(timings: dict[str, Timing], baseline: str | None = None) -> dict[str,
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def matmul_tflops(device: str | torch.device | None = None, dtype: str = "fp32", n: int = 4096, *, repeats: int = 10, warmup: int = 3) -> float:
+def matmul_tflops(
+    device: str | torch.device | None = None, dtype: str = "fp32", n: int = 4096, *, repeats: int = 10, warmup: int = 3
+) -> float:
     """Measured TFLOP/s of an n×n @ n×n matmul (2·n³ floating-point operations)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(_DTYPES)}.")

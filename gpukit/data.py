@@ -178,7 +178,9 @@ def _cifar10_missing_message(root: Path, reason: str) -> str:
     )
 
 
-def cifar10(root: str | Path = "data", download: bool = True, timeout: float = 30.0) -> tuple[ImageDataset, ImageDataset]:
+def cifar10(
+    root: str | Path = "data", download: bool = True, timeout: float = 30.0
+) -> tuple[ImageDataset, ImageDataset]:
     """CIFAR-10 (50,000 train, 10,000 test images) through torchvision, kept in `root`.
 
     Downloads (about 170 MB) when the files are missing and `download` is true. Offline and
@@ -368,7 +370,9 @@ def dataloader(
     if augment:
         if not isinstance(dataset, ImageDataset):
             raise TypeError("augment=True needs an ImageDataset; add a transform to your own dataset instead.")
-        dataset = ImageDataset(dataset.images, dataset.labels, dataset.classes, dataset.mean, dataset.std, _CropFlip(padding))
+        dataset = ImageDataset(
+            dataset.images, dataset.labels, dataset.classes, dataset.mean, dataset.std, _CropFlip(padding)
+        )
     if pin_memory is None:
         from .env import detect
 

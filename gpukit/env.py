@@ -197,8 +197,7 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
             raise ValueError(f"device='{device}' was asked for but this machine has no CUDA GPU; use device='cpu'.")
         if device.index is not None and device.index >= count:
             raise ValueError(
-                f"device='{device}' does not exist: this machine has {count} CUDA GPU(s), "
-                f"cuda:0 to cuda:{count - 1}."
+                f"device='{device}' does not exist: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}."
             )
     elif device.type == "mps" and not _mps_available():
         raise ValueError("device='mps' was asked for but MPS is not available here; use device='cpu'.")

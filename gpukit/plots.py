@@ -29,8 +29,15 @@ def plot_history(history, title: str | None = None):
     return figure
 
 
-def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], *, xlabel: str, ylabel: str,
-                title: str = "", logx: bool = False, logy: bool = False):
+def plot_curves(
+    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx: bool = False,
+    logy: bool = False,
+):
     """Several named (x, y) curves on one axis."""
     figure, (axis,) = _figure()
     for name, (x, y) in curves.items():

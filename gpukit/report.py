@@ -41,7 +41,9 @@ class Table:
 
     def __init__(self, rows: Sequence[dict], columns: Sequence[str] | None = None, title: str | None = None):
         self.rows = [dict(row) for row in rows]
-        self.columns = list(columns) if columns is not None else list(dict.fromkeys(k for row in self.rows for k in row))
+        self.columns = (
+            list(columns) if columns is not None else list(dict.fromkeys(k for row in self.rows for k in row))
+        )
         self.title = title
 
     def __len__(self) -> int:

@@ -19,8 +19,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from . import distributed
 from .data import DeviceLoader, ImageDataset
 from .env import resolve_device
+from .memory import free_memory, out_of_memory_error, watch_out_of_memory
 from .precision import Precision, get_precision
 
 SCHEDULES = ("onecycle", "linear", "constant")
@@ -29,6 +31,10 @@ OPTIMIZERS = ("sgd", "adamw")
 
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or infinite loss."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed: damaged, or written by a different run."""
 
 
 @dataclass
@@ -129,7 +135,9 @@ def make_optimizer(
         return torch.optim.SGD(parameters, lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
     if optimizer == "adamw":
         return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"optimizer={optimizer!r} is unknown; use 'sgd', 'adamw', an Optimizer or a function of the parameters.")
+    raise ValueError(
+        f"optimizer={optimizer!r} is unknown; use 'sgd', 'adamw', an Optimizer or a function of the parameters."
+    )
 
 
 def make_schedule(
@@ -162,7 +170,9 @@ def make_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bool, channels_last: bool = False, seed: int = 0):
+def as_loader(
+    data, batch_size: int | None, device: torch.device, *, shuffle: bool, channels_last: bool = False, seed: int = 0
+):
     """A Dataset, a DataLoader or a DeviceLoader → something that yields (images, labels) batches."""
     if isinstance(data, (DeviceLoader, DataLoader)):
         if batch_size is not None and batch_size != data.batch_size:
@@ -171,7 +181,9 @@ def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bo
                 "leave batch_size=None when passing a loader, or build the loader with the size you want."
             )
         if isinstance(data, DeviceLoader) and data.device != device:
-            raise ValueError(f"the DeviceLoader keeps its data on {data.device} but training runs on {device}; make them agree.")
+            raise ValueError(
+                f"the DeviceLoader keeps its data on {data.device} but training runs on {device}; make them agree."
+            )
         return data
     if not isinstance(data, Dataset):
         raise TypeError(f"expected a Dataset, a DataLoader or a DeviceLoader, got {type(data).__name__}.")
@@ -183,7 +195,9 @@ def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bo
         raise ValueError("the dataset is empty; give it at least one example.")
     if isinstance(data, ImageDataset):
         return DeviceLoader(data, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed)
-    return DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        data, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _num_classes(model: nn.Module, data) -> int | None:
@@ -197,7 +211,9 @@ def _check_labels(dataset, num_classes: int | None) -> None:
         return
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= num_classes:
-        raise ValueError(f"labels must lie in 0..{num_classes - 1}, found {low}..{high}; fix the labels or the model's num_classes.")
+        raise ValueError(
+            f"labels must lie in 0..{num_classes - 1}, found {low}..{high}; fix the labels or the model's num_classes."
+        )
 
 
 def _model_outputs(model: nn.Module) -> int | None:
@@ -302,11 +318,12 @@ def fit(
     after every epoch (atomically), and a later call with the same directory resumes.
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule)
-    device = resolve_device(device)
+    device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters to train.")
     loader = as_loader(train_data, batch_size, device, shuffle=True, channels_last=channels_last, seed=seed)
+    loader = distributed.shard(loader)  # in a distributed job, this rank's part of the data
     _check_labels(getattr(loader, "dataset", None), _model_outputs(model))
     batches_per_epoch = len(loader)
     if batches_per_epoch == 0:
@@ -324,21 +341,33 @@ def fit(
     for group in optimizer.param_groups:
         group["lr"] = lr  # the schedule's peak
     scheduler = make_schedule(optimizer, schedule, total_steps, warmup)
-    forward = torch.compile(model) if compile else model
+    parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
+    forward = torch.compile(parallel) if compile else parallel
     if label_smoothing:
         base_loss = loss_fn
 
         def loss_fn(logits, labels):
             return base_loss(logits, labels, label_smoothing=label_smoothing)
 
-    history = History(precision=precision.name, device=str(device), batch_size=loader.batch_size * accumulate)
-    plan = {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch, "batch_size": loader.batch_size, "accumulate": accumulate}
+    images_per_step = loader.batch_size * accumulate * distributed.world_size()  # all ranks together
+    history = History(precision=precision.name, device=str(device), batch_size=images_per_step)
+    plan = {
+        "total_steps": total_steps,
+        "steps_per_epoch": steps_per_epoch,
+        "batch_size": loader.batch_size,
+        "accumulate": accumulate,
+    }
     checkpoint = _Checkpointer(checkpoint_dir, plan) if checkpoint_dir is not None else None
     start_epoch = checkpoint.resume(model, optimizer, scheduler, precision, history) if checkpoint else 0
+    distributed.check_same(start_epoch, "the epoch to resume from")
 
     from .widgets import Progress
 
-    bar = Progress(total=total_steps, initial=start_epoch * steps_per_epoch, enabled=progress, live_plot=live_plot)
+    enabled = progress and distributed.is_main()  # one bar per job, not one per rank
+    bar = Progress(total=total_steps, initial=start_epoch * steps_per_epoch, enabled=enabled, live_plot=live_plot)
+    if device.type == "cuda":
+        watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
+    phase, out_of_memory = "loading data", None  # the phase an out-of-memory error is reported in
     started = time.perf_counter()
     step = start_epoch * steps_per_epoch
     model.train()
@@ -362,14 +391,20 @@ def fit(
                 window_started = time.perf_counter()
                 micro = 0
                 for images, labels in loader:
+                    if micro == steps_per_epoch * accumulate:
+                        break  # leftover micro-batches would leave gradients behind for the next step
                     images = images.to(device, non_blocking=True)
                     labels = labels.to(device, non_blocking=True)
                     if channels_last:
                         images = images.contiguous(memory_format=torch.channels_last)
-                    with precision.autocast():
-                        logits = forward(images)
-                        loss = loss_fn(logits.float(), labels)
-                    precision.backward(loss / accumulate)
+                    phase = "forward"
+                    # Micro-batches that do not step keep their gradients local: one all-reduce per step.
+                    with distributed.no_sync(parallel, (micro + 1) % accumulate != 0):
+                        with precision.autocast():
+                            logits = forward(images)
+                            loss = loss_fn(logits.float(), labels)
+                        phase = "backward"
+                        precision.backward(loss / accumulate)
                     loss = loss.detach()
                     window_loss += loss
                     epoch_loss += loss * len(labels)
@@ -377,15 +412,19 @@ def fit(
                     epoch_seen += len(labels)
                     window_images += len(labels)
                     micro += 1
+                    phase = "loading data"
                     if micro % accumulate:
                         continue
+                    phase = "optimizer step"
                     precision.step(optimizer, model.parameters(), clip)
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
+                    phase = "loading data"
                     step += 1
                     window_steps += 1
                     if window_steps == log_every or step == total_steps or micro + accumulate > batches_per_epoch:
-                        mean_loss = window_loss.item() / (window_steps * accumulate)  # one sync per window
+                        # One sync per window (and in a distributed job one all-reduce: the mean over ranks).
+                        mean_loss = distributed.mean_over_ranks(window_loss).item() / (window_steps * accumulate)
                         if not math.isfinite(mean_loss):
                             raise NonFiniteLossError(
                                 f"the loss became {mean_loss} between optimizer steps {step - window_steps + 1} and {step} "
@@ -397,7 +436,7 @@ def fit(
                         row = {
                             "step": step, "epoch": epoch + 1, "loss": mean_loss,
                             "lr": optimizer.param_groups[0]["lr"], "step_time": elapsed / window_steps,
-                            "images_per_second": window_images / elapsed,
+                            "images_per_second": window_images * distributed.world_size() / elapsed,
                         }  # fmt: skip
                         history.steps.append(row)
                         bar.update(window_steps, row, history)
@@ -406,20 +445,62 @@ def fit(
                         window_started = time.perf_counter()
                     if step >= total_steps:
                         break
+                epoch_loss, epoch_correct, epoch_seen = distributed.sum_over_ranks(
+                    epoch_loss, epoch_correct, epoch_seen
+                )
+                phase = "evaluation"
                 history.epochs.append(
-                    _epoch_row(epoch, epoch_loss, epoch_correct, epoch_seen, epoch_started, device, model, eval_data, precision, channels_last, loss_fn)
+                    _epoch_row(
+                        epoch,
+                        epoch_loss,
+                        epoch_correct,
+                        epoch_seen,
+                        epoch_started,
+                        device,
+                        model,
+                        eval_data,
+                        precision,
+                        channels_last,
+                        loss_fn,
+                    )
                 )
                 bar.epoch_done(history)
                 if checkpoint:
-                    checkpoint.save(epoch + 1, model, optimizer, scheduler, precision, history)
+                    if distributed.is_main():  # one writer: every rank holds the same state
+                        checkpoint.save(epoch + 1, model, optimizer, scheduler, precision, history)
+                    distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
+    except torch.OutOfMemoryError as error:
+        # Read the numbers now; keep no reference to `error`, whose traceback holds the step's tensors.
+        out_of_memory = out_of_memory_error(
+            error, phase, device, batch_size=loader.batch_size, accumulate=accumulate, precision=precision.name
+        )
     finally:
         bar.close()
         history.skipped_steps = precision.skipped_steps
         history.seconds += time.perf_counter() - started
+    if out_of_memory is not None:
+        # The raised error's traceback keeps this frame, and so these variables, alive: drop what
+        # this call allocated so that the notebook kernel can go on without a restart.
+        images = labels = logits = loss = optimizer = scheduler = loader = forward = parallel = None
+        model.zero_grad(set_to_none=True)
+        free_memory(device)
+        raise out_of_memory
     return history
 
 
-def _epoch_row(epoch, epoch_loss, epoch_correct, epoch_seen, epoch_started, device, model, eval_data, precision, channels_last, loss_fn):
+def _epoch_row(
+    epoch,
+    epoch_loss,
+    epoch_correct,
+    epoch_seen,
+    epoch_started,
+    device,
+    model,
+    eval_data,
+    precision,
+    channels_last,
+    loss_fn,
+):
     row = {
         "epoch": epoch + 1,
         "train_loss": epoch_loss.item() / max(epoch_seen, 1),
@@ -430,7 +511,9 @@ def _epoch_row(epoch, epoch_loss, epoch_correct, epoch_seen, epoch_started, devi
         "seconds": time.perf_counter() - epoch_started,
     }
     if eval_data is not None:
-        result = evaluate(model, eval_data, precision=precision, device=device, channels_last=channels_last, loss_fn=loss_fn)
+        result = evaluate(
+            model, eval_data, precision=precision, device=device, channels_last=channels_last, loss_fn=loss_fn
+        )
         row["eval_loss"], row["eval_accuracy"] = result["loss"], result["accuracy"]
     return row
 
@@ -480,6 +563,10 @@ class _Checkpointer:
         )
 
     def resume(self, model, optimizer, scheduler, precision, history) -> int:
+        if distributed.is_sharded(model):
+            raise ValueError(
+                "checkpoint_dir does not support FSDP2-sharded models; save those with torch.distributed.checkpoint."
+            )
         if not self.path.exists():
             return 0
         try:
@@ -487,14 +574,14 @@ class _Checkpointer:
             if state["plan"] != self.plan:
                 raise ValueError(
                     f"it was written by a run planned as {state['plan']}, but this call plans {self.plan}; "
-                    "resume with the same epochs, batch_size, accumulate and max_steps"
+                    "resume with the same epochs, batch_size, accumulate, max_steps and number of processes"
                 )
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             precision.load_state_dict(state["precision"])
         except (RuntimeError, KeyError, EOFError, ValueError, pickle.UnpicklingError) as error:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"cannot resume from {self.path}: {error}. It was written by another model, optimizer or "
                 "precision, or is damaged; pass a new checkpoint_dir, or delete the file to start afresh."
             ) from error

@@ -157,7 +157,9 @@ def small_cifar(tmp_path, monkeypatch):
     sums = {name: _md5(folder / name) for name in names}
     monkeypatch.setattr(CIFAR10, "train_list", [[n, sums[n]] for n in names[:5]])
     monkeypatch.setattr(CIFAR10, "test_list", [[names[5], sums[names[5]]]])
-    monkeypatch.setattr(CIFAR10, "meta", {"filename": "batches.meta", "key": "label_names", "md5": _md5(folder / "batches.meta")})
+    monkeypatch.setattr(
+        CIFAR10, "meta", {"filename": "batches.meta", "key": "label_names", "md5": _md5(folder / "batches.meta")}
+    )
     return tmp_path
 
 
@@ -187,7 +189,9 @@ def test_cifar10_extracts_archive_without_network(tmp_path, monkeypatch):
     monkeypatch.setattr(CIFAR10, "url", "http://127.0.0.1:9/never-used.tar.gz")
     monkeypatch.setattr(CIFAR10, "train_list", [[n, _md5(folder / n)] for n in names[:5]])
     monkeypatch.setattr(CIFAR10, "test_list", [[names[5], _md5(folder / names[5])]])
-    monkeypatch.setattr(CIFAR10, "meta", {"filename": "batches.meta", "key": "label_names", "md5": _md5(folder / "batches.meta")})
+    monkeypatch.setattr(
+        CIFAR10, "meta", {"filename": "batches.meta", "key": "label_names", "md5": _md5(folder / "batches.meta")}
+    )
     train, test = gk.data.cifar10(tmp_path / "root", download=True)
     assert len(train) == 100 and len(test) == 20
 

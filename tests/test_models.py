@@ -12,7 +12,9 @@ def test_output_shape_and_channels_last(make):
     logits = model(images)
     assert logits.shape == (2, 10)
     model = model.to(memory_format=torch.channels_last)
-    torch.testing.assert_close(model(images.contiguous(memory_format=torch.channels_last)), logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        model(images.contiguous(memory_format=torch.channels_last)), logits, atol=1e-4, rtol=1e-4
+    )
 
 
 def test_width_scales_parameters():

@@ -50,7 +50,9 @@ def test_shapes_cnn_reaches_80_percent_and_linear_stays_below_50_in_tiny_profile
 
 def test_fit_learns_and_records_history(small_data):
     train, test = small_data
-    history = gk.fit(gk.models.fast_cnn(8), train, epochs=2, batch_size=32, lr=0.1, eval_data=test, progress=False, log_every=4)
+    history = gk.fit(
+        gk.models.fast_cnn(8), train, epochs=2, batch_size=32, lr=0.1, eval_data=test, progress=False, log_every=4
+    )
     assert len(history.epochs) == 2
     steps = [row["step"] for row in history.steps]
     assert steps == sorted(steps) and steps[-1] == 2 * (512 // 32)
@@ -159,7 +161,9 @@ def test_non_finite_loss_stops_with_the_step(small_data):
 def test_diverging_lr_is_reported_not_silent(small_data):
     train, _ = small_data
     with pytest.raises(gk.NonFiniteLossError, match="loss became"):
-        gk.fit(mlp(), train, epochs=3, batch_size=32, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2)
+        gk.fit(
+            mlp(), train, epochs=3, batch_size=32, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2
+        )
 
 
 def _untouched(model, before):
@@ -206,7 +210,11 @@ def test_empty_dataset_and_too_big_batch(small_data):
     with pytest.raises(ValueError, match="no batch"):
         gk.fit(gk.models.fast_cnn(4), train.subset(10), batch_size=32, progress=False)
     with pytest.raises(ValueError, match="empty"):
-        gk.fit(gk.models.fast_cnn(4), torch.utils.data.TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)), batch_size=4)
+        gk.fit(
+            gk.models.fast_cnn(4),
+            torch.utils.data.TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)),
+            batch_size=4,
+        )
 
 
 def test_loader_and_batch_size_must_agree(small_data):
@@ -301,7 +309,17 @@ def test_fit_on_cuda_every_precision(precision):
     if precision in ("tf32", "bf16-mixed") and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("needs compute capability 8.0")
     train, test = shapes(1024, 256)
-    history = gk.fit(gk.models.fast_cnn(16), train, epochs=2, batch_size=128, lr=0.2, precision=precision, device="cuda", eval_data=test, progress=False)
+    history = gk.fit(
+        gk.models.fast_cnn(16),
+        train,
+        epochs=2,
+        batch_size=128,
+        lr=0.2,
+        precision=precision,
+        device="cuda",
+        eval_data=test,
+        progress=False,
+    )
     assert history.peak_memory > 0 and history.final_eval_accuracy > 0.2
     assert torch.get_float32_matmul_precision() == "highest"  # tf32 flags restored after fit
 
@@ -318,3 +336,14 @@ def test_image_dataset_subset_keeps_normalisation(small_data):
     train, _ = small_data
     part = train.subset(10)
     assert isinstance(part, ImageDataset) and len(part) == 10 and torch.equal(part.mean, train.mean)
+
+
+def test_leftover_micro_batches_do_not_leak_into_the_next_step():
+    """10 batches with accumulate=4 make 2 steps per epoch; batches 9 and 10 must not run backward."""
+    train, _ = shapes(160, 0)
+    models = [mlp(seed=5), mlp(seed=5)]
+    common = dict(epochs=2, lr=0.05, schedule="constant", warmup=0, progress=False)
+    gk.fit(models[0], DeviceLoader(train, 16, shuffle=False), accumulate=4, **common)
+    gk.fit(models[1], DeviceLoader(train.subset(128), 16, shuffle=False), accumulate=4, **common)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,48 @@
+"""Fault drill: `gpukit train`, with one worker killed once in mid-training, as when a machine dies.
+
+Run it under torchrun with a restart allowed and watch the job resume from its last checkpoint:
+
+    torchrun --nproc-per-node=2 --max-restarts=1 examples/cluster/fault_drill.py \
+        train --device cpu --epochs 4 --checkpoint-dir runs/drill --no-progress
+
+Everything after the script's name is a `gpukit train` command line (it needs --checkpoint-dir).
+In the first attempt, the worker of rank GPUKIT_DRILL_RANK (default 1) sends itself SIGKILL, with
+no chance to clean up, as soon as the first checkpoint appears. torchrun sees the worker die,
+stops the others, and starts the whole group again; every rank then resumes from the checkpoint.
+`drill.json` in the checkpoint folder records which rank died and at which saved epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from gpukit.cli import main
+
+
+def kill_when_checkpointed(folder: Path, record: Path, rank: int) -> None:
+    checkpoint = folder / "last.pt"
+    while not checkpoint.exists():
+        time.sleep(0.01)
+    epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]
+    record.write_text(json.dumps({"rank": rank, "checkpoint_epoch": epoch, "time": time.time()}))
+    os.kill(os.getpid(), signal.SIGKILL)  # like a power cut: no finally blocks, no exit handlers
+
+
+if __name__ == "__main__":
+    arguments = sys.argv[1:]
+    if "--checkpoint-dir" not in arguments:
+        sys.exit("fault_drill.py: give --checkpoint-dir: the drill shows resuming from a checkpoint.")
+    folder = Path(arguments[arguments.index("--checkpoint-dir") + 1])
+    record = folder / "drill.json"
+    rank = int(os.environ.get("RANK", 0))
+    if rank == int(os.environ.get("GPUKIT_DRILL_RANK", 1)) and not record.exists():  # first attempt only
+        threading.Thread(target=kill_when_checkpointed, args=(folder, record, rank), daemon=True).start()
+    sys.exit(main(arguments))

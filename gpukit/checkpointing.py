@@ -1,0 +1,274 @@
+"""Activation (gradient) checkpointing applied to a model without editing its code.
+
+A checkpointed region keeps only its inputs in the forward pass, and runs its forward again
+in the backward pass to get back the activations it needs: memory traded for compute, about
+one extra forward pass (20-30% more step time is the usual figure). Regions use
+torch.utils.checkpoint with use_reentrant=False.
+
+Regions are made of *blocks*: the children (with parameters and submodules of their own) of
+the model's outermost nn.Sequential or nn.ModuleList containers: a ResNet's BasicBlocks, the
+kit CNN's conv groups, a transformer's layers. Choose them with one of
+
+    every=k        a region every k consecutive blocks (k=1, the default: every block);
+    segments=m     about m regions of consecutive blocks ("sqrt": about sqrt(n) of n blocks);
+    modules=[...]  the named modules (names from model.named_modules(), or module classes).
+
+Module names, parameters and the state_dict do not change: the modules' `forward` is
+replaced on the instance, and `remove_checkpointing(model)` puts it back. BatchNorm running
+statistics are updated once per step, as without checkpointing: the recomputation restores
+them afterwards. Forward hooks inside a region run again during the recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+_PLAN = "_gpukit_checkpointing"  # the attribute that holds a model's CheckpointPlan
+
+
+@contextlib.contextmanager
+def _running_statistics_kept(batchnorms: list[nn.Module]) -> Iterator[None]:
+    """Put BatchNorm buffers back as they were: the recomputation runs BatchNorm in training
+    mode again, which would otherwise update the running statistics a second time."""
+    saved = [[buffer.clone() for buffer in module.buffers(recurse=False)] for module in batchnorms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, values in zip(batchnorms, saved):
+                for buffer, value in zip(module.buffers(recurse=False), values):
+                    buffer.copy_(value)
+
+
+class _Region:
+    """Modules checkpointed together: they run in order, and are recomputed in backward.
+
+    A region of one module replaces that module's forward; `previous` is the forward it
+    had (None: its class's). A region of several runs them through their own __call__.
+    """
+
+    def __init__(self, names: list[str], modules: list[nn.Module], previous=None):
+        self.names = names
+        self.modules = modules
+        self.previous = previous
+        self.batchnorms = [m for module in modules for m in module.modules() if isinstance(m, _BatchNorm)]
+
+    def run(self, *args, **kwargs):
+        if len(self.modules) == 1:
+            module = self.modules[0]
+            forward = self.previous if self.previous is not None else type(module).forward.__get__(module)
+            return forward(*args, **kwargs)
+        (output,) = args
+        for module in self.modules:
+            output = module(output)
+        return output
+
+    def _contexts(self):
+        return contextlib.nullcontext(), _running_statistics_kept(self.batchnorms)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved, so there is nothing to recompute
+            return self.run(*args, **kwargs)
+        return checkpoint(self.run, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+
+
+class _Sequence:
+    """The forward of an nn.Sequential whose consecutive children form regions."""
+
+    def __init__(self, container: nn.Sequential, starts: dict[int, _Region]):
+        self.container = container
+        self.starts = starts  # index of a region's first child -> region
+
+    def __call__(self, input):
+        children = list(self.container)
+        index = 0
+        while index < len(children):
+            region = self.starts.get(index)
+            if region is not None:
+                input = region(input)
+                index += len(region.modules)
+            else:
+                input = children[index](input)
+                index += 1
+        return input
+
+
+@dataclass
+class CheckpointPlan:
+    """What apply_checkpointing did: the model's blocks and the regions made of them."""
+
+    model_name: str
+    blocks: list[str]
+    regions: list[list[str]]
+    notes: list[str] = field(default_factory=list)
+    patched: list[tuple[nn.Module, object]] = field(default_factory=list, repr=False)  # (module, previous forward)
+
+    def __str__(self) -> str:
+        shown = ", ".join("+".join(region) for region in self.regions[:8]) + (", …" if len(self.regions) > 8 else "")
+        text = (
+            f"{self.model_name}: {sum(map(len, self.regions))} modules checkpointed in {len(self.regions)} regions "
+            f"({len(self.blocks)} blocks found): {shown}"
+        )
+        return "\n".join([text, *self.notes])
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name, block, parent) for each block: children of the outermost Sequential/ModuleList
+    containers that have parameters and submodules of their own, in order."""
+    blocks = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        container = isinstance(module, (nn.Sequential, nn.ModuleList))
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if not container:
+                visit(child, full)
+            elif _has_parameters(child) and any(True for _ in child.children()):
+                blocks.append((full, child, module))
+
+    visit(model, "")
+    return blocks
+
+
+def _runs_children_in_order(parent: nn.Module) -> bool:
+    """True for an nn.Sequential that uses nn.Sequential's forward (so its children can be grouped)."""
+    return isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward
+
+
+def _group_blocks(blocks, size: int, notes: list[str]) -> list[list[tuple[str, nn.Module, nn.Module]]]:
+    """Runs of up to `size` consecutive blocks of one parent; one block per run where the parent
+    has its own forward (it may do more than call its children in order)."""
+    groups, fallback = [], set()
+    for name, block, parent in blocks:
+        last = groups[-1] if groups else None
+        if last is not None and last[-1][2] is parent and len(last) < size and _runs_children_in_order(parent):
+            position = list(parent).index(block)
+            if list(parent).index(last[-1][1]) == position - 1:
+                last.append((name, block, parent))
+                continue
+        if size > 1 and not _runs_children_in_order(parent):
+            fallback.add(type(parent).__name__)
+        groups.append([(name, block, parent)])
+    for parent_name in sorted(fallback):
+        notes.append(
+            f"{parent_name} runs its blocks in its own forward(), so they cannot be grouped: each of its blocks "
+            "is a region of its own (more saved inputs, the same recomputation)."
+        )
+    return groups
+
+
+def _named_modules(model: nn.Module, modules: Sequence[str | type]) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    named = dict(model.named_modules())
+    chosen = []
+    for item in modules:
+        if isinstance(item, type):
+            found = [(name, module) for name, module in named.items() if isinstance(module, item) and name]
+            if not found:
+                raise ValueError(f"the model has no {item.__name__} module; pass names from model.named_modules().")
+            chosen += found
+        elif item in named and item:
+            chosen.append((item, named[item]))
+        else:
+            examples = ", ".join(repr(name) for name, *_ in find_blocks(model)[:6]) or ", ".join(
+                repr(n) for n in list(named)[1:7]
+            )
+            raise ValueError(
+                f"the model has no module named {item!r}; pass names from model.named_modules(), such as {examples}."
+            )
+    names = [name for name, _ in chosen]
+    for name in names:
+        inner = [other for other in names if other.startswith(name + ".")]
+        if inner:
+            raise ValueError(f"{inner[0]!r} lies inside {name!r}: checkpoint one or the other, not both.")
+    return [(name, module, None) for name, module in dict(chosen).items()]
+
+
+def apply_checkpointing(
+    model: nn.Module,
+    *,
+    every: int | None = None,
+    segments: int | str | None = None,
+    modules: Sequence[str | type] | None = None,
+) -> CheckpointPlan:
+    """Checkpoint regions of `model` in place and return the plan (print it to see the regions).
+
+    Give at most one of `every` (a region every k blocks; default 1), `segments` (about m
+    regions, or "sqrt"), `modules` (names or classes). See the module docstring for what a
+    block is; `find_blocks(model)` lists them. Undo with remove_checkpointing(model).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
+    if sum(choice is not None for choice in (every, segments, modules)) > 1:
+        raise ValueError("choose regions one way: every=k, segments=m or modules=[...], not several.")
+    if getattr(model, _PLAN, None) is not None:
+        raise ValueError("this model is already checkpointed; call gk.checkpointing.remove_checkpointing(model) first.")
+    notes: list[str] = []
+    if modules is not None:
+        groups = [[chosen] for chosen in _named_modules(model, modules)]
+        blocks = [name for name, *_ in find_blocks(model)]
+    else:
+        found = find_blocks(model)
+        if not found:
+            raise ValueError(
+                f"found no blocks to checkpoint in {type(model).__name__}: it has no nn.Sequential or nn.ModuleList "
+                "of modules with parameters and submodules. Pass modules=[...] with the names (see "
+                "model.named_modules()) of the parts to checkpoint."
+            )
+        if segments is not None:
+            if segments == "sqrt":
+                segments = max(round(math.sqrt(len(found))), 1)
+            if not isinstance(segments, int) or segments < 1:
+                raise ValueError(f"segments must be a positive integer or 'sqrt', got {segments!r}.")
+            every = math.ceil(len(found) / segments)
+        every = 1 if every is None else every
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive integer (blocks per region), got {every!r}.")
+        groups = _group_blocks(found, every, notes)
+        blocks = [name for name, *_ in found]
+    plan = CheckpointPlan(type(model).__name__, blocks, [[name for name, *_ in group] for group in groups], notes)
+    containers: dict[int, tuple[nn.Sequential, dict[int, _Region]]] = {}
+    for group in groups:
+        names, members = [name for name, *_ in group], [module for _, module, _ in group]
+        if len(group) == 1:
+            module = members[0]
+            previous = module.__dict__.get("forward")
+            plan.patched.append((module, previous))
+            module.forward = _Region(names, members, previous)
+        else:
+            parent = group[0][2]
+            _, starts = containers.setdefault(id(parent), (parent, {}))
+            starts[list(parent).index(members[0])] = _Region(names, members)
+    for parent, starts in containers.values():
+        plan.patched.append((parent, parent.__dict__.get("forward")))
+        parent.forward = _Sequence(parent, starts)
+    setattr(model, _PLAN, plan)
+    return plan
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    """Undo apply_checkpointing: every module gets back the forward it had."""
+    plan = getattr(model, _PLAN, None)
+    if plan is None:
+        raise ValueError("this model is not checkpointed (apply_checkpointing was not called on it).")
+    for module, previous in reversed(plan.patched):
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+    delattr(model, _PLAN)
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    return getattr(model, _PLAN, None) is not None

@@ -1,0 +1,387 @@
+"""Data parallelism and its relatives on CPU over gloo: two workers with batch B train exactly as
+one worker with batch 2B; accumulation all-reduces once per step; FSDP2 and a two-stage pipeline
+compute the same gradients as one process while each rank holds less; the cost model's algebra.
+
+The two-worker checks share one launch (each launch costs seconds: every worker imports torch).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpukit as gk
+from gpukit import costmodel, distributed, scaling
+from gpukit.data import DeviceLoader, shapes
+from gpukit.pipeline import Scale, TwoStagePipeline, split_in_two
+
+pytestmark = pytest.mark.timeout(300)
+
+# Identical settings for the one-worker and the two-worker runs; a linear schedule with a fixed
+# warm-up, so the learning rate at each step is the same whatever the batch.
+COMMON = dict(epochs=2, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, log_every=4, seed=3)
+BATCH = 32  # per rank
+SHORT = COMMON | {"max_steps": 4}  # enough to tell two trainings apart
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    """No BatchNorm: a batch split over ranks gives exactly the gradient of the whole batch."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.GELU(), nn.Flatten(), nn.Linear(8 * 15 * 15, 10))
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict with FSDP2's DTensor shards gathered into whole tensors."""
+    return {
+        name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        for name, value in model.state_dict().items()
+    }
+
+
+def pipeline_gradient_difference(micro_batches: int = 4) -> float:
+    """Largest difference between the pipeline's gradients and one process accumulating the same micro-batches."""
+    torch.manual_seed(0)
+    model = gk.models.fast_cnn(4)
+    reference = copy.deepcopy(model)
+    pipeline = TwoStagePipeline(model, micro_batches=micro_batches)
+    generator = torch.Generator().manual_seed(5)  # the same batch on both ranks
+    images, labels = torch.randn(32, 3, 32, 32, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+    pipeline.step(images, labels)
+    first, second = split_in_two(reference)
+    for chunk, chunk_labels in zip(images.chunk(micro_batches), labels.chunk(micro_batches)):
+        (nn.functional.cross_entropy(second(first(chunk)), chunk_labels) / micro_batches).backward()
+    mine = (first, second)[pipeline.rank]
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(pipeline.stage.parameters(), mine.parameters()))
+
+
+def two_rank_worker(train):
+    """Everything the tests below check on two ranks, in one launch."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    worker = distributed.setup()
+    results = {"rank": worker.rank}
+
+    model = mlp()  # 1. plain fit: fit wraps the model in DDP and shards the data itself
+    history = gk.fit(model, train, batch_size=BATCH, **COMMON)
+    results["fit"] = {
+        "state": model.state_dict(), "losses": history.losses, "batch_size": history.batch_size,
+        "train_loss": [row["train_loss"] for row in history.epochs],
+    }  # fmt: skip
+
+    synced_backwards = []  # 2. accumulation: count the backward passes whose gradients DDP all-reduced
+
+    def counting_hook(state, bucket):
+        if bucket.is_last():
+            synced_backwards.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    accumulating = distributed.data_parallel(mlp())
+    accumulating.register_comm_hook(None, counting_hook)
+    history = gk.fit(accumulating, train, batch_size=BATCH // 2, accumulate=2, **COMMON)
+    results["accumulate"] = {
+        "state": accumulating.module.state_dict(),
+        "all_reduces": len(synced_backwards),
+        "steps": history.steps[-1]["step"],
+    }
+
+    compressed = distributed.data_parallel(mlp(), compression="fp16")  # 3. fp16 gradient compression
+    gk.fit(compressed, train, batch_size=BATCH, **COMMON)
+    results["fp16"] = compressed.module.state_dict()
+
+    torch.manual_seed(0)  # 4. BatchNorm: each rank normalises with its own half-batch statistics
+    cnn = gk.models.fast_cnn(4)
+    gk.fit(cnn, train, batch_size=BATCH, **SHORT)
+    results["batchnorm"] = dict(cnn.named_parameters())
+
+    sharded = distributed.sharded_data_parallel(mlp())  # 5. FSDP2 inside fit
+    gk.fit(sharded, train, batch_size=BATCH, **COMMON)
+    results["fsdp"] = full_state(sharded)
+    try:
+        gk.fit(sharded, train, batch_size=BATCH, checkpoint_dir="unused", **COMMON)
+    except ValueError as error:
+        results["fsdp_checkpoint_error"] = str(error)
+
+    results["pipeline_difference"] = pipeline_gradient_difference()  # 6. two-stage pipeline
+
+    layer = nn.Linear(3, 2)  # 7. local SGD's parameter averaging
+    with torch.no_grad():
+        layer.weight.fill_(worker.rank)
+    distributed.average_parameters(layer)
+    results["averaged"] = layer.weight.clone()
+
+    def make_model():
+        return gk.models.fast_cnn(8)
+
+    results["parallelism"] = scaling.compare_parallelism(make_model, 16, steps=2, warmup=1)  # 8. costs
+    results["allreduce"] = scaling.allreduce_benchmark([4096, 2**20], repeats=3, warmup=1)
+    results["workers"] = scaling.throughput_by_workers(make_model, 16, steps=2, warmup=1)
+    distributed.cleanup()
+    return results
+
+
+@pytest.fixture(scope="module")
+def data():
+    return shapes(512, 0, seed=1)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data):
+    return gk.distributed.launch(two_rank_worker, 2, data, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference(data):
+    """One process, batch 2B: what the two ranks of batch B must reproduce."""
+    model = mlp()
+    history = gk.fit(model, data, batch_size=2 * BATCH, **COMMON)
+    return model.state_dict(), history
+
+
+def assert_states_close(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+def test_two_workers_with_batch_b_equal_one_worker_with_batch_2b(two_ranks, one_rank_reference):
+    reference, reference_history = one_rank_reference
+    for rank in two_ranks:
+        assert_states_close(rank["fit"]["state"], reference)  # within 1e-5 after 16 steps
+    assert two_ranks[0]["fit"]["batch_size"] == 2 * BATCH  # History counts images per step over all ranks
+
+
+def test_logged_metrics_are_averaged_over_ranks(two_ranks, one_rank_reference):
+    _, reference_history = one_rank_reference
+    zero, one = (rank["fit"] for rank in two_ranks)
+    assert zero["losses"] == one["losses"] and zero["train_loss"] == one["train_loss"]  # every rank logs the same
+    for mine, theirs in zip(zero["losses"], reference_history.losses):  # the mean over ranks = the big batch's loss
+        assert math.isclose(mine, theirs, rel_tol=1e-5)
+    for mine, row in zip(zero["train_loss"], reference_history.epochs):
+        assert math.isclose(mine, row["train_loss"], rel_tol=1e-5)
+
+
+def test_accumulation_all_reduces_once_per_step_and_matches_the_big_batch(two_ranks, one_rank_reference):
+    reference, _ = one_rank_reference
+    accumulate = two_ranks[0]["accumulate"]
+    assert accumulate["all_reduces"] == accumulate["steps"] == 16  # one bucket per optimizer step, not per micro-batch
+    assert_states_close(accumulate["state"], reference)  # 2 ranks × 2 micro-batches × B/2 = one batch of 2B
+
+
+def test_fp16_compression_stays_close_but_is_not_exact(two_ranks, one_rank_reference):
+    reference, _ = one_rank_reference
+    compressed = two_ranks[0]["fp16"]
+    assert_states_close(compressed, reference, atol=1e-3)
+    assert any(not torch.equal(compressed[name], reference[name]) for name in reference)
+
+
+def test_batchnorm_without_sync_differs_from_the_big_batch(two_ranks, data):
+    torch.manual_seed(0)
+    single = gk.models.fast_cnn(4)
+    gk.fit(single, data, batch_size=2 * BATCH, **SHORT)
+    ranks = [rank["batchnorm"] for rank in two_ranks]
+    for name, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name])  # DDP keeps the ranks identical ...
+    difference = max((ranks[0][name] - value).abs().max().item() for name, value in single.named_parameters())
+    assert difference > 1e-4  # ... but half-batch statistics are not those of the whole batch
+
+
+def test_fsdp2_in_fit_trains_like_ddp_and_refuses_checkpoints(two_ranks, one_rank_reference):
+    reference, _ = one_rank_reference
+    assert_states_close(two_ranks[0]["fsdp"], reference)
+    assert "FSDP2" in two_ranks[0]["fsdp_checkpoint_error"]
+
+
+def test_pipeline_computes_the_gradients_of_one_process(two_ranks):
+    for rank in two_ranks:
+        assert rank["pipeline_difference"] < 1e-5
+
+
+def test_average_parameters_gives_every_rank_the_mean(two_ranks):
+    for rank in two_ranks:
+        assert torch.equal(rank["averaged"], torch.full((2, 3), 0.5))
+
+
+def test_fsdp2_and_pipeline_hold_less_per_rank_than_ddp(two_ranks):
+    rows = {row["strategy"].split()[0]: row for row in two_ranks[0]["parallelism"]}
+    ddp = rows["DDP"]["state_bytes_per_rank"]
+    assert rows["FSDP2"]["state_bytes_per_rank"] < 0.6 * ddp  # each rank keeps about half
+    assert rows["pipeline"]["state_bytes_per_rank"] < ddp
+    assert all(row["step_time"] > 0 and row["peak_memory"] is None for row in rows.values())  # no CUDA here
+
+
+def test_allreduce_benchmark_and_scaling_rows(two_ranks):
+    rows = two_ranks[0]["allreduce"]
+    assert [row["bytes"] for row in rows] == [4096, 2**20]
+    for row in rows:
+        assert math.isclose(row["bus_GBps"], row["algorithm_GBps"] * 2 * (2 - 1) / 2)
+        assert math.isclose(row["algorithm_GBps"], row["bytes"] / row["seconds"] / 1e9)
+    workers = two_ranks[0]["workers"]
+    assert [row["workers"] for row in workers] == [1, 2] and workers[0]["efficiency"] == 1.0
+    assert all(row["images_per_second"] > 0 for row in workers)
+
+
+# ---------------------------------------------------------------------------------------------
+# In this process: a world of one, sharding, bad input
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUKIT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    worker = distributed.setup("gloo")
+    yield worker
+    distributed.cleanup()
+
+
+def test_setup_without_a_job_is_a_world_of_one(world_of_one, capsys):
+    assert (world_of_one.rank, world_of_one.world_size, world_of_one.device) == (0, 1, torch.device("cpu"))
+    assert distributed.setup() is world_of_one  # idempotent
+    distributed.print0("from rank 0")
+    assert capsys.readouterr().out == "from rank 0\n"
+
+
+def test_fit_in_a_world_of_one_equals_plain_fit(world_of_one, data):
+    inside = mlp()
+    gk.fit(inside, data, batch_size=BATCH, **SHORT)
+    distributed.cleanup()
+    outside = mlp()
+    gk.fit(outside, data, batch_size=BATCH, **SHORT)
+    for name, value in outside.state_dict().items():
+        assert torch.equal(inside.state_dict()[name], value)
+
+
+def test_cleanup_leaves_the_group(world_of_one):
+    distributed.cleanup()
+    assert not torch.distributed.is_initialized() and distributed.default_device() is None
+
+
+def test_data_parallel_bad_input(world_of_one):
+    with pytest.raises(ValueError, match="SyncBatchNorm runs on GPUs only"):
+        distributed.data_parallel(gk.models.fast_cnn(4), sync_batchnorm=True)
+    with pytest.raises(ValueError, match="compression='int8' is unknown"):
+        distributed.data_parallel(mlp(), compression="int8")
+
+
+def test_data_parallel_needs_setup():
+    with pytest.raises(RuntimeError, match="call gk.distributed.setup"):
+        distributed.data_parallel(mlp())
+
+
+def test_setup_errors(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="RANK, MASTER_ADDR, MASTER_PORT is not"):
+        distributed.setup()
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match="backend='mpi' is not supported"):
+        distributed.setup("mpi")
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match="needs GPU cuda:0, but this machine shows 0 GPU"):
+            distributed.setup("nccl")
+    assert not torch.distributed.is_initialized()
+
+
+def as_rank(monkeypatch, rank: int, world_size: int = 2) -> None:
+    monkeypatch.setattr(distributed, "rank", lambda: rank)
+    monkeypatch.setattr(distributed, "world_size", lambda: world_size)
+
+
+def test_device_loader_shards_are_disjoint_and_make_up_the_big_batch(monkeypatch, data):
+    whole = [labels for _, labels in DeviceLoader(data, 2 * BATCH, seed=4)]
+    epochs = {}
+    for rank in (0, 1):
+        as_rank(monkeypatch, rank)
+        shard = distributed.shard(DeviceLoader(data, BATCH, seed=4))
+        assert (shard.rank, shard.world_size, len(shard)) == (rank, 2, len(data) // (2 * BATCH))
+        epochs[rank] = [[images for images, _ in shard] for _ in range(2)]  # two epochs: reshuffled
+    whole_images = [images for images, _ in DeviceLoader(data, 2 * BATCH, seed=4)]
+    for step, images in enumerate(whole_images):  # rank 0 takes positions 0, 2, 4…; rank 1 takes 1, 3, 5…
+        merged = torch.empty_like(images)
+        merged[0::2], merged[1::2] = epochs[0][0][step], epochs[1][0][step]
+        assert torch.equal(merged, images)
+    assert not torch.equal(epochs[0][0][0], epochs[0][1][0])  # a new order each epoch
+    assert len(whole) == len(epochs[0][0])
+
+
+def test_sharded_loader_for_other_datasets_uses_a_distributed_sampler(monkeypatch):
+    dataset = TensorDataset(torch.arange(40.0), torch.zeros(40, dtype=torch.long))
+    seen = {}
+    for rank in (0, 1):
+        as_rank(monkeypatch, rank)
+        loader = distributed.sharded_loader(dataset, 5, seed=2)
+        loader.sampler.set_epoch(0)
+        first = torch.cat([x for x, _ in loader])
+        loader.sampler.set_epoch(1)
+        seen[rank] = (first, torch.cat([x for x, _ in loader]))
+    assert sorted(torch.cat([seen[0][0], seen[1][0]]).tolist()) == list(range(40))  # disjoint, all covered
+    assert not torch.equal(seen[0][0], seen[0][1])  # reshuffled per epoch
+
+
+def test_fit_refuses_an_unsharded_dataloader_in_a_job(monkeypatch):
+    as_rank(monkeypatch, 0)
+    loader = DataLoader(TensorDataset(torch.zeros(8, 3), torch.zeros(8, dtype=torch.long)), batch_size=4)
+    with pytest.raises(ValueError, match="each rank must read its own part of the data"):
+        distributed.shard(loader)
+
+
+def test_split_in_two_balances_parameters_and_keeps_fastcnns_scale():
+    model = gk.models.fast_cnn(8)
+    first, second = split_in_two(model)
+    assert isinstance(second[-1], Scale) and second[-1].factor == model.logit_scale
+    images = torch.randn(4, 3, 32, 32)
+    model.eval(), first.eval(), second.eval()
+    torch.testing.assert_close(second(first(images)), model(images))
+    counts = [sum(p.numel() for p in part.parameters()) for part in (first, second)]
+    assert max(counts) < 0.8 * sum(counts)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        split_in_two(nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model
+
+
+def test_bus_bandwidth_and_ring_time():
+    assert scaling.bus_bandwidth(10.0, 8) == 10.0 * 2 * 7 / 8
+    assert costmodel.ring_allreduce_time(1e9, 1, 1e9, 1e-5) == 0.0
+    assert math.isclose(costmodel.ring_allreduce_time(1e9, 4, 1e9, 1e-5), 2 * 3 / 4 + 2 * 3 * 1e-5)
+
+
+def test_fit_link_recovers_bandwidth_and_latency():
+    bandwidth, latency, n = 5e9, 20e-6, 4
+    rows = [{"bytes": s, "seconds": costmodel.ring_allreduce_time(s, n, bandwidth, latency)} for s in (1e3, 1e5, 1e7)]
+    fitted_bandwidth, fitted_latency = scaling.fit_link(rows, n)
+    assert math.isclose(fitted_bandwidth, bandwidth, rel_tol=1e-6) and math.isclose(
+        fitted_latency, latency, rel_tol=1e-6
+    )
+
+
+def test_predicted_efficiency_falls_with_gpus_and_overlap_helps():
+    gpus = [1, 2, 8, 64, 512]
+    overlapped = costmodel.predict(0.1, 100e6, gpus, 10e9, 10e-6)
+    serial = costmodel.predict(0.1, 100e6, gpus, 10e9, 10e-6, overlap=False)
+    efficiencies = [row["efficiency"] for row in overlapped]
+    assert efficiencies[0] == 1.0 and efficiencies == sorted(efficiencies, reverse=True)
+    assert all(a["efficiency"] >= b["efficiency"] for a, b in zip(overlapped, serial))
+
+
+def test_the_model_is_an_upper_bound_on_published_scaling():
+    for published in costmodel.PUBLISHED:
+        workload = costmodel.WORKLOADS[published.workload]
+        interconnect = costmodel.INTERCONNECTS[published.interconnect]
+        (row,) = costmodel.predict_workload(workload, interconnect, [published.gpus])
+        assert published.efficiency <= row["efficiency"] <= 1.0, published.label
+        assert published.source
+
+
+def test_cost_model_bad_input():
+    with pytest.raises(ValueError, match="must be positive"):
+        costmodel.predict(0.0, 1e6, [2], 1e9, 1e-6)
+    with pytest.raises(ValueError, match="need gpus >= 1"):
+        costmodel.ring_allreduce_time(1e6, 0, 1e9, 1e-6)

@@ -1,0 +1,372 @@
+import copy
+import weakref
+
+import matplotlib
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import gpukit as gk
+from gpukit import allocator, memory
+from gpukit.data import shapes
+
+matplotlib.use("Agg")  # figures are drawn, never shown
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given where there is no CUDA GPU")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tests count bytes, not seconds, on tiny tensors. On a shared 2-core machine with one
+    core busy, two-thread kernels wait on each other (10x slower); one thread avoids it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def images(batch, size=32, seed=0):
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def batchnorm_channels(model):
+    return sum(m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+# ---------------------------------------------------------------------------------------------
+# The prediction equals the measurement on CPU
+
+MODELS = {
+    "fast_cnn": (lambda: gk.models.fast_cnn(8), 8, 32),
+    "kit resnet18": (gk.models.resnet18, 4, 32),
+    "torchvision resnet18": (lambda: torchvision.models.resnet18(num_classes=10), 2, 32),
+    "torchvision resnet50": (lambda: torchvision.models.resnet50(num_classes=10), 2, 32),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_estimate_equals_measurement_on_cpu(name):
+    build, batch, size = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    measured = memory.breakdown(model, images(batch, size), optimizer="adamw", device="cpu")
+    predicted = memory.estimate(model, images(batch, size), optimizer="adamw", device="cpu")
+    assert predicted.activations == measured.activations > 0  # saved-tensor bytes, exactly
+    assert predicted.total == measured.total  # the peak of tensor storages alive, exactly
+    for part in ("params", "buffers", "grads", "optimizer_state"):
+        assert getattr(predicted, part) == getattr(measured, part), part
+    assert predicted.source.startswith("predicted") and measured.source.startswith("measured")
+
+
+def test_bf16_prediction_differs_only_by_torchs_batchnorm_statistics_dtype():
+    """With bf16 input, the CPU BatchNorm kernel keeps its saved mean and inverse std in fp32,
+    while torch's fake-tensor (meta) implementation says bf16: 2 bytes less per channel for each."""
+    torch.manual_seed(0)
+    model = gk.models.fast_cnn(8)
+    measured = memory.breakdown(model, images(8), precision="bf16-mixed", device="cpu")
+    predicted = memory.estimate(model, images(8), precision="bf16-mixed", device="cpu")
+    assert measured.activations - predicted.activations == 2 * 2 * batchnorm_channels(model)
+    assert predicted.activations < memory.estimate(model, images(8), device="cpu").activations  # bf16 saves less
+
+
+def test_breakdown_counts_each_part_from_the_tensors():
+    model = gk.models.fast_cnn(8)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    sgd = memory.breakdown(model, images(8), optimizer="sgd", device="cpu")
+    adamw = memory.breakdown(model, images(8), optimizer="adamw", device="cpu")
+    assert sgd.params == params and sgd.grads == params  # fp32 gradients, one per parameter
+    assert sgd.optimizer_state == params  # SGD's momentum buffer
+    assert adamw.optimizer_state == 2 * params + 4 * len(list(model.parameters()))  # two moments, a step count each
+    assert sum(sgd.layers.values()) == sgd.activations
+    assert max(sgd.timeline) == sgd.total and sgd.peak_phase in ("forward", "backward", "optimizer step")
+    assert [name for name, _ in sgd.phases] == ["forward", "backward", "optimizer step"]
+    assert "saved activations" in str(sgd.table()) and len(sgd.largest_layers(3)) == 3
+
+
+def test_breakdown_and_estimate_leave_the_model_unchanged():
+    torch.manual_seed(0)
+    model = gk.models.fast_cnn(8).eval()
+    model[0][1].train()  # a mixed mode must come back as it was
+    before = copy.deepcopy(model.state_dict())
+    parameters = list(model.parameters())
+    memory.breakdown(model, images(4), optimizer="adamw", device="cpu")
+    memory.estimate(model, images(4), optimizer="adamw", device="cpu", batch_sizes=[2, 4])
+    assert all(a is b for a, b in zip(parameters, model.parameters()))
+    for key, value in model.state_dict().items():
+        assert type(value) is torch.Tensor and torch.equal(value, before[key]), key
+    assert not model.training and model[0][1].training and not model[0][0].training
+
+
+def test_measure_on_cpu_counts_what_the_block_creates_and_agrees_with_the_profiler():
+    with memory.measure("cpu") as used:
+        kept = torch.empty(1000)  # 4,000 bytes
+        temporary = torch.empty(2000)  # 8,000 bytes, freed inside the block
+        del temporary
+    assert (used.peak, used.end) == (12_000, 4_000) and used.peak_reserved is None and kept.numel() == 1000
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model = gk.models.resnet18()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch, labels = images(4), torch.zeros(4, dtype=torch.long)
+
+    def step():
+        nn.functional.cross_entropy(model(batch), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer state exists before both measurements
+    with memory.measure("cpu") as used:
+        step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    events = sorted(
+        (e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    allocated = peak = 0
+    for event in events:  # the allocator's own allocation and free events, in time order
+        allocated += event.nbytes()
+        peak = max(peak, allocated)
+    # Kernels' internal scratch space is in the profiler's figure, not in tensor storages.
+    assert 0.95 * peak <= used.peak <= peak
+
+
+def test_prediction_for_cuda_without_running_on_it():
+    model = gk.models.fast_cnn(8)
+    on_cpu = memory.estimate(model, images(8), device="cpu")
+    on_cuda = memory.estimate(model, images(8), device="cuda")  # works without a GPU
+    assert on_cuda.total % memory.CUDA_BLOCK == 0 and on_cuda.total >= on_cpu.total
+    assert on_cuda.device == "cuda" and "CUDA" in on_cuda.source
+
+
+def test_estimate_over_batch_sizes_grows_linearly():
+    model = gk.models.fast_cnn(8)
+    predictions = memory.estimate(model, images(1), batch_sizes=[8, 16, 32], device="cpu")
+    assert [p.batch_size for p in predictions] == [8, 16, 32]
+    first, second, third = (p.activations for p in predictions)
+    assert third - second == 2 * (second - first)  # saved activations are per-example
+    assert predictions[0].params == predictions[2].params
+
+
+def test_zero_grad_set_to_none_lowers_the_peak():
+    model = gk.models.resnet18()
+    kept = memory.estimate(model, images(4), device="cpu", set_to_none=False)
+    freed = memory.estimate(model, images(4), device="cpu", set_to_none=True)
+    assert kept.total > freed.total  # zeroed gradients stay allocated through the next forward
+
+
+def test_plots_and_tables():
+    model = gk.models.fast_cnn(8)
+    parts = {
+        "sgd": memory.estimate(model, images(8), device="cpu"),
+        "adamw": memory.estimate(model, images(8), optimizer="adamw", device="cpu"),
+    }
+    assert len(memory.plot_breakdowns(parts).axes) == 1
+    assert len(memory.plot_timeline(parts["sgd"]).axes) == 1
+    assert len(memory.table(parts)) == 2 and "peak (MiB)" in memory.table(parts).columns
+
+
+# ---------------------------------------------------------------------------------------------
+# The largest batch
+
+
+def test_max_batch_size_finds_the_largest_that_fits_and_keeps_a_global_batch():
+    model = gk.models.fast_cnn(8)
+    peak_100, peak_101 = (p.total for p in memory.estimate(model, images(1), batch_sizes=[100, 101], device="cuda"))
+    budget = (peak_100 + peak_101) // 2  # batch 100 fits, 101 does not
+    plan = memory.max_batch_size(model, images(1), budget=budget, margin=0.0, device="cuda", global_batch_size=256)
+    assert plan.batch_size == 100 and plan.predicted_peak == peak_100
+    assert (plan.accumulate, plan.micro_batch_size) == (4, 64)  # 256 = 4 × 64, the fewest micro-batches
+    assert "accumulate=4" in str(plan)
+    with_margin = memory.max_batch_size(model, images(1), budget=budget, margin=0.2, device="cuda")
+    assert with_margin.batch_size < 100 and with_margin.predicted_peak <= with_margin.usable
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget=0), "budget must be a positive number of bytes"),
+        (dict(budget=-5), "budget must be a positive number of bytes"),
+        (dict(budget=1000), "not even a batch of 1 fits"),
+        (dict(budget=2**30, margin=1.5), "margin must be a fraction"),
+        (dict(budget=2**30, global_batch_size=0), "global_batch_size must be a positive integer"),
+    ],
+)
+def test_max_batch_size_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        memory.max_batch_size(gk.models.fast_cnn(8), images(1), device="cuda", **kwargs)
+
+
+@no_cuda
+def test_without_a_gpu_the_budget_must_be_given():
+    with pytest.raises(ValueError, match="pass budget in bytes"):
+        memory.max_batch_size(gk.models.fast_cnn(8), images(1), device="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("function", [memory.breakdown, memory.estimate])
+def test_bad_input_says_what_to_do(function):
+    with pytest.raises(ValueError, match="no parameters"):
+        function(nn.Flatten(), images(2), device="cpu")
+    with pytest.raises(
+        ValueError, match=r"input of shape \(2, 1, 28, 28\) does not fit the model.*\(batch, 3, 32, 32\)"
+    ):
+        function(gk.models.fast_cnn(8), torch.randn(2, 1, 28, 28), device="cpu")
+    with pytest.raises(ValueError, match="precision='fp8' is unknown"):
+        function(gk.models.fast_cnn(8), images(2), precision="fp8", device="cpu")
+    with pytest.raises(TypeError, match="an Optimizer object is tied to one model"):
+        model = gk.models.fast_cnn(8)
+        function(model, images(2), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match="at least one example"):
+        function(gk.models.fast_cnn(8), torch.zeros(0, 3, 32, 32), device="cpu")
+    with pytest.raises(TypeError, match="sample_input must be a tensor"):
+        function(gk.models.fast_cnn(8), [1, 2, 3], device="cpu")
+
+
+def test_estimate_bad_batch_sizes_and_device():
+    with pytest.raises(ValueError, match="batch_sizes must be positive integers"):
+        memory.estimate(gk.models.fast_cnn(8), images(2), batch_sizes=[0, 8])
+    with pytest.raises(ValueError, match="predicted for 'cpu' or 'cuda'"):
+        memory.estimate(gk.models.fast_cnn(8), images(2), device="mps")
+
+
+# ---------------------------------------------------------------------------------------------
+# Out of memory in fit()
+
+
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """Passes its input through; its backward raises the error a full GPU would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
+
+
+class Net(nn.Module):
+    def __init__(self, fail_in_backward=False):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3), nn.Linear(8, 10)
+        self.fail_in_backward = fail_in_backward
+        self.activations = []  # weak references to what the forward produced
+
+    def forward(self, images):
+        hidden = self.conv(images)
+        self.activations.append(weakref.ref(hidden))
+        if self.fail_in_backward:
+            hidden = OutOfMemoryInBackward.apply(hidden)
+        return self.head(hidden.mean((2, 3)))
+
+
+@pytest.fixture(scope="module")
+def small_data():
+    return shapes(256, 0, seed=1)[0]
+
+
+def test_out_of_memory_in_backward_is_explained_and_freed(small_data):
+    model = Net(fail_in_backward=True)
+    with pytest.raises(torch.OutOfMemoryError) as caught:  # fit's error is a torch.OutOfMemoryError
+        gk.fit(model, small_data, batch_size=32, progress=False)
+    error = caught.value
+    assert isinstance(error, memory.TrainingOutOfMemoryError) and error.phase == "backward"
+    message = str(error)
+    for words in ("in the backward pass", "batch_size=16, accumulate=2", "bf16-mixed", "checkpointing",
+                  "expandable_segments", "max_batch_size", "Tried to allocate 2.00 GiB"):  # fmt: skip
+        assert words in message, words
+    assert error.__context__ is None and error.__cause__ is None  # the failed step's traceback is not kept
+    assert all(reference() is None for reference in model.activations)  # its activations are freed
+    assert all(p.grad is None for p in model.parameters())
+    history = gk.fit(Net(), small_data, batch_size=32, progress=False)  # the same process goes on
+    assert len(history.epochs) == 1
+
+
+def test_out_of_memory_names_the_forward_and_the_optimizer_step(small_data):
+    def loss_that_runs_out(logits, labels):
+        raise torch.OutOfMemoryError("out of memory (injected)")
+
+    with pytest.raises(memory.TrainingOutOfMemoryError, match="in the forward pass") as caught:
+        gk.fit(Net(), small_data, batch_size=32, progress=False, loss_fn=loss_that_runs_out)
+    assert caught.value.phase == "forward"
+
+    class RunsOut(torch.optim.SGD):
+        def step(self, closure=None):
+            raise torch.OutOfMemoryError("out of memory (injected)")
+
+    with pytest.raises(memory.TrainingOutOfMemoryError, match="in the optimizer step.*optimizer='sgd'") as caught:
+        gk.fit(Net(), small_data, batch_size=32, progress=False, optimizer=lambda p: RunsOut(p, lr=0.1))
+    assert caught.value.phase == "optimizer step"
+
+
+@cuda
+def test_a_real_out_of_memory_under_the_cap_then_training_goes_on():
+    train = shapes(2048, 0)[0]
+    model = gk.models.resnet18()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with memory.limit_gpu_memory(256 * 2**20) as cap:
+        assert cap == pytest.approx(256 * 2**20, rel=0.01)
+        with pytest.raises(memory.TrainingOutOfMemoryError) as caught:
+            gk.fit(model, train, batch_size=1024, device="cuda", max_steps=1, progress=False)
+        assert caught.value.requested is not None and caught.value.free is not None
+        assert caught.value.phase in ("forward", "backward")
+        del caught
+        memory.free_memory("cuda")
+        assert torch.cuda.memory_allocated() - before < 2**20 + sum(p.numel() * 4 for p in model.parameters())
+        history = gk.fit(model, train, batch_size=16, device="cuda", max_steps=2, progress=False)
+    assert history.steps and torch.cuda.get_per_process_memory_fraction() == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA tools
+
+
+def test_snapshot_timeline_from_trace_events():
+    snapshot = memory.Snapshot(data={"device_traces": [[
+        {"action": "alloc", "size": 1024}, {"action": "segment_alloc", "size": 2**21},
+        {"action": "alloc", "size": 512}, {"action": "free_requested", "size": 1024},
+        {"action": "free_completed", "size": 1024},
+    ]]}, device=0, baseline=100)  # fmt: skip
+    assert snapshot.timeline() == [1124, 1636, 612]
+    assert len(memory.plot_timeline(snapshot).axes) == 1
+
+
+@no_cuda
+def test_cuda_tools_say_what_to_do_without_a_gpu():
+    for tool in (lambda: memory.limit_gpu_memory(2**30), memory.expandable_segments, memory.record_snapshot):
+        with pytest.raises(ValueError, match="works on a CUDA GPU.*budget"):
+            with tool():
+                pass
+
+
+@cuda
+def test_breakdown_on_cuda_and_the_prediction_within_ten_percent():
+    model = gk.models.resnet18()
+    measured = memory.breakdown(model, images(128), device="cuda")
+    predicted = memory.estimate(model, images(128), device="cuda")
+    assert measured.allocator_cache >= 0 and measured.activations == predicted.activations
+    assert abs(predicted.total - measured.total) <= 0.1 * measured.total
+
+
+@cuda
+def test_cuda_tools_restore_what_they_change(tmp_path):
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    with memory.limit_gpu_memory(0.5):
+        assert torch.cuda.get_per_process_memory_fraction() == 0.5
+    assert torch.cuda.get_per_process_memory_fraction() == fraction
+    before = allocator._expandable_now()
+    with memory.expandable_segments(not before):
+        assert allocator._expandable_now() is not before
+    assert allocator._expandable_now() is before
+    with memory.record_snapshot() as snapshot:
+        memory.breakdown(gk.models.fast_cnn(8), images(8), device="cuda")
+    assert snapshot.timeline() and snapshot.dump(tmp_path / "step.pickle").stat().st_size > 0
+    plan = memory.max_batch_size(gk.models.fast_cnn(8), images(1), budget=256 * 2**20, device="cuda")
+    assert plan.probes and plan.probes[-1]["peak"] <= plan.usable

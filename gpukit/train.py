@@ -449,21 +449,27 @@ def fit(
                     epoch_loss, epoch_correct, epoch_seen
                 )
                 phase = "evaluation"
-                history.epochs.append(
-                    _epoch_row(
-                        epoch,
-                        epoch_loss,
-                        epoch_correct,
-                        epoch_seen,
-                        epoch_started,
-                        device,
+                seen = max(epoch_seen, 1)
+                row = {
+                    "epoch": epoch + 1,
+                    "train_loss": epoch_loss.item() / seen,
+                    "train_accuracy": epoch_correct.item() / seen,
+                    "eval_loss": None,
+                    "eval_accuracy": None,
+                    "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                    "seconds": time.perf_counter() - epoch_started,  # training only, evaluation excluded
+                }
+                if eval_data is not None:
+                    result = evaluate(
                         model,
                         eval_data,
-                        precision,
-                        channels_last,
-                        loss_fn,
+                        precision=precision,
+                        device=device,
+                        channels_last=channels_last,
+                        loss_fn=loss_fn,
                     )
-                )
+                    row["eval_loss"], row["eval_accuracy"] = result["loss"], result["accuracy"]
+                history.epochs.append(row)
                 bar.epoch_done(history)
                 if checkpoint:
                     if distributed.is_main():  # one writer: every rank holds the same state
@@ -486,36 +492,6 @@ def fit(
         free_memory(device)
         raise out_of_memory
     return history
-
-
-def _epoch_row(
-    epoch,
-    epoch_loss,
-    epoch_correct,
-    epoch_seen,
-    epoch_started,
-    device,
-    model,
-    eval_data,
-    precision,
-    channels_last,
-    loss_fn,
-):
-    row = {
-        "epoch": epoch + 1,
-        "train_loss": epoch_loss.item() / max(epoch_seen, 1),
-        "train_accuracy": epoch_correct.item() / max(epoch_seen, 1),
-        "eval_loss": None,
-        "eval_accuracy": None,
-        "peak_memory": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "seconds": time.perf_counter() - epoch_started,
-    }
-    if eval_data is not None:
-        result = evaluate(
-            model, eval_data, precision=precision, device=device, channels_last=channels_last, loss_fn=loss_fn
-        )
-        row["eval_loss"], row["eval_accuracy"] = result["loss"], result["accuracy"]
-    return row
 
 
 # ---------------------------------------------------------------------------------------------

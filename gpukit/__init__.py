@@ -4,17 +4,19 @@ Importing gpukit never initialises CUDA, so a notebook can still launch worker p
 that use the GPU afterwards.
 """
 
-from . import bench, checkpointing, data, distributed, memory, models, plots
+from . import bench, data, distributed, memory, models, optim, plots, step, train
 from .doctor import doctor
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
+from .memory import checkpointing
 from .precision import PRECISIONS, Precision, get_precision
 from .report import Table, format_bytes
-from .train import History, NonFiniteLossError, evaluate, fit
+from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRECISIONS", "PROFILES", "Env", "History", "NonFiniteLossError", "Precision", "Profile", "Table",
-    "bench", "data", "detect", "doctor", "plots", "evaluate", "fit", "format_bytes", "get_precision", "models",
-    "checkpointing", "distributed", "memory", "resolve_device", "seed_everything",
+    "PRECISIONS", "PROFILES", "CheckpointError", "Env", "History", "NonFiniteLossError", "Precision", "Profile",
+    "Table", "bench", "checkpointing", "data", "detect", "distributed", "doctor", "evaluate", "fit",
+    "format_bytes", "get_precision", "memory", "models", "optim", "plots", "resolve_device", "seed_everything",
+    "step", "train",
 ]  # fmt: skip

@@ -17,8 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from .env import resolve_device
+from .step import Loss, forward_backward
 
 
 @dataclass
@@ -158,24 +161,22 @@ def matmul_tflops(
     return 2 * n**3 / timing.median / 1e12
 
 
-def flops_per_step(model: torch.nn.Module, sample_input: torch.Tensor, *, backward: bool = True) -> int:
-    """Floating-point operations of one forward (and backward) pass on `sample_input`.
+def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss_fn=None) -> int:
+    """Floating-point operations of one forward (and backward) pass on `batch`.
 
-    Counted by torch.utils.flop_counter from the operators that run (matmuls and
-    convolutions dominate; elementwise ops are not counted). Backward costs about twice
-    the forward. The optimizer step is not included. The count runs on a copy of the model
-    on the meta device: no arithmetic is done, and the model (its gradients, BatchNorm
-    statistics) is left untouched.
+    `batch` is a batch of any form fit accepts ((inputs, target), a dict for model(**batch), …;
+    see gpukit.step), whose loss is computed as fit computes it; a bare tensor is the inputs
+    alone, and backward then starts from the sum of the outputs. Counted by
+    torch.utils.flop_counter from the operators that run (matmuls, convolutions and attention
+    dominate; elementwise ops are not counted). Backward costs about twice the forward. The
+    optimizer step is not included. The count runs on a copy of the model on the meta device:
+    no arithmetic is done, and the model (its gradients, BatchNorm statistics) is left untouched.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     meta_model = copy.deepcopy(model).to("meta")
-    meta_input = sample_input.to("meta")
+    meta_batch = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch)
     counter = FlopCounterMode(display=False)
     with counter:
-        output = meta_model(meta_input)
-        if backward:
-            output.float().sum().backward()
+        forward_backward(meta_model, meta_batch, Loss(loss_fn, check_targets=False), backward=backward)
     return counter.get_total_flops()
 
 

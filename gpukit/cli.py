@@ -1,7 +1,8 @@
 """The `gpukit` command (also `python -m gpukit`).
 
     gpukit doctor    print the environment report and its warnings
-    gpukit train     train a CNN headless and print its held-out accuracy and throughput
+    gpukit train     train headless (a CNN on images, or a small GPT on text) and print the
+                     held-out result and the throughput
 
 Bad input (an unsupported precision, missing CIFAR-10 files, a batch size of 0, …) ends with a
 one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
@@ -20,6 +21,8 @@ from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
 from .train import CheckpointError, History, NonFiniteLossError, fit
 
+DATASETS = ("shapes", "cifar10", "folder", "text")
+MODELS = ("fast_cnn", "resnet18", "gpt")
 EXIT_BAD_INPUT = 2  # the same code argparse uses for a bad command line
 EXIT_TRAINING_FAILED = 1
 EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C (128 + SIGINT)
@@ -36,24 +39,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train a CNN headless and print its accuracy and throughput",
-        description="Train a CNN and print eval_accuracy=… images_per_second=… on the last line. "
-        "Sizes left out come from the run profile (gpukit.detect(); override with GPUKIT_PROFILE).",
+        help="train a CNN on images or a small GPT on text, and print the result and throughput",
+        description="Train and print the held-out result and throughput on the last line: eval_accuracy=… "
+        "images_per_second=… for images, eval_loss=… tokens_per_second=… for text. Sizes left out come from the "
+        "run profile (gpukit.detect(); override with GPUKIT_PROFILE).",
     )
-    train.add_argument("--dataset", choices=("shapes", "cifar10"), default="shapes")
-    train.add_argument("--data-dir", default="data", help="where CIFAR-10 is kept (default: data)")
+    train.add_argument("--dataset", choices=DATASETS, default="shapes",
+                       help="shapes (synthetic), cifar10, folder (your images in class folders), text (byte tokens)")  # fmt: skip
+    train.add_argument(
+        "--data-dir",
+        help="cifar10: where it is kept (default: data); folder: the folder of class subfolders (required); "
+        "text: a text file or folder (default: the Python standard library's source)",
+    )
     train.add_argument("--no-download", action="store_true", help="never download CIFAR-10; fail if it is missing")
     train.add_argument("--train-size", type=int, help="training images (shapes only; default: the profile's)")
     train.add_argument("--test-size", type=int, help="held-out images (shapes only; default: the profile's)")
-    train.add_argument("--model", choices=("fast_cnn", "resnet18"), default="fast_cnn")
-    train.add_argument("--width", type=int, help="base channel count of fast_cnn (default: the profile's)")
+    train.add_argument("--image-size", type=int, default=32, help="folder only: images become N×N (default: 32)")
+    train.add_argument("--seq-len", type=int, help="text only: tokens per window (default: the profile's)")
+    train.add_argument("--model", choices=MODELS, help="fast_cnn or resnet18 for images (default fast_cnn); gpt for text")
+    train.add_argument("--width", type=int, help="channels of fast_cnn, or width of gpt (default: the profile's)")
     train.add_argument("--epochs", type=int, help="default: the profile's")
     train.add_argument("--batch-size", type=int, help="per process under torchrun (default: the profile's)")
-    train.add_argument("--lr", type=float, default=0.1, help="peak learning rate (default: 0.1, for batch 64)")
+    train.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 with SGD for CNNs, 3e-3 with AdamW for gpt)")
     train.add_argument("--precision", choices=PRECISIONS, default="fp32")
     train.add_argument("--device", default="auto", help="auto (the best present), cpu, cuda, cuda:N or mps")
     train.add_argument("--checkpoint-dir", help="save last.pt here after every epoch, and resume from it")
-    train.add_argument("--augment", action="store_true", help="random crop and flip on the device")
+    train.add_argument("--augment", action="store_true", help="random crop and flip on the device (images)")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights, the order and the augmentation")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
     train.set_defaults(handler=train_main)
@@ -66,17 +77,52 @@ def doctor_main(args: argparse.Namespace) -> None:
 
 def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
     """Raise ValueError for a bad combination or size, before any data is built."""
-    if args.dataset == "cifar10" and (args.train_size is not None or args.test_size is not None):
-        raise ValueError(
-            "--train-size and --test-size apply to --dataset shapes only; CIFAR-10 uses its 50,000/10,000 split."
-        )
+    text = args.dataset == "text"
+    if args.dataset != "shapes" and (args.train_size is not None or args.test_size is not None):
+        raise ValueError(f"--train-size and --test-size apply to --dataset shapes only, not {args.dataset}.")
+    if text != (args.model == "gpt"):
+        raise ValueError("--model gpt trains on --dataset text, and text trains --model gpt; pass both or neither.")
     if args.model == "resnet18" and args.width is not None:
-        raise ValueError("--width applies to --model fast_cnn only; leave it out for resnet18.")
+        raise ValueError("--width applies to --model fast_cnn or gpt only; leave it out for resnet18.")
+    if args.dataset == "folder" and args.data_dir is None:
+        raise ValueError("--dataset folder needs --data-dir PATH: a folder with one subfolder of images per class.")
+    if args.seq_len is not None and not text:
+        raise ValueError("--seq-len applies to --dataset text only.")
+    if args.augment and text:
+        raise ValueError("--augment (random crop and flip) applies to images, not text.")
     for flag, value in sizes.items():
         if value < 1:
             raise ValueError(f"{flag} must be a positive integer, got {value}.")
-    if args.lr <= 0:
+    if args.lr is not None and args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}.")
+
+
+def _data(args: argparse.Namespace, sizes: dict[str, int], device):
+    """(training data for fit, held-out data, a description) for --dataset."""
+    if args.dataset == "shapes":
+        # The dataset keeps its own fixed seed: runs with different --seed train on the same images.
+        train, test = data.shapes(sizes["--train-size"], sizes["--test-size"])
+    elif args.dataset == "cifar10":
+        train, test = data.cifar10(args.data_dir or "data", download=not args.no_download)
+    elif args.dataset == "folder":
+        train, test = data.image_folder(args.data_dir, args.image_size, progress=not args.no_progress).split(0.2)
+    else:
+        profile = detect().profile
+        train, test = data.text(args.data_dir, seq_len=sizes["--seq-len"], max_bytes=profile.text_bytes)
+        loader = data.TextLoader(train, sizes["--batch-size"], device=device, seed=args.seed)
+        return loader, test, f"{len(train.tokens):,} train / {len(test.tokens):,} held-out byte tokens"
+    loader = data.DeviceLoader(train, sizes["--batch-size"], augment=args.augment, device=device, seed=args.seed)
+    return loader, test, f"{len(train):,} train / {len(test):,} held-out images of {len(train.classes)} classes"
+
+
+def _model(args: argparse.Namespace, sizes: dict[str, int], classes: int):
+    if args.model == "gpt":
+        profile = detect().profile
+        return models.gpt(max_seq_len=sizes["--seq-len"], width=sizes["--width"], depth=profile.gpt_depth,
+                          heads=profile.gpt_heads)  # fmt: skip
+    if args.model == "resnet18":
+        return models.resnet18(classes)
+    return models.fast_cnn(sizes["--width"], classes)
 
 
 def train_main(args: argparse.Namespace) -> History:
@@ -84,16 +130,20 @@ def train_main(args: argparse.Namespace) -> History:
 
     Headless and non-interactive: it reads only `args` and the environment, so a launcher can
     run it unchanged in every worker. The last printed line is
-    `eval_accuracy=0.912 images_per_second=2031` (held-out accuracy after the last epoch;
-    median steady-state training throughput in images/s).
+    `eval_accuracy=0.912 images_per_second=2031` for images (held-out accuracy after the last
+    epoch; median steady-state throughput), `eval_loss=1.52 tokens_per_second=40213` for text.
     """
     profile = detect().profile
+    args.model = args.model or ("gpt" if args.dataset == "text" else "fast_cnn")
+    text = args.dataset == "text"
     sizes = {
         "--train-size": args.train_size if args.train_size is not None else profile.train_size,
         "--test-size": args.test_size if args.test_size is not None else profile.test_size,
-        "--width": args.width if args.width is not None else profile.width,
+        "--width": args.width if args.width is not None else (profile.gpt_width if text else profile.width),
         "--epochs": args.epochs if args.epochs is not None else profile.epochs,
         "--batch-size": args.batch_size if args.batch_size is not None else profile.batch_size,
+        "--image-size": args.image_size,
+        "--seq-len": args.seq_len if args.seq_len is not None else profile.seq_len,
     }
     _check_train_args(args, sizes)
     if "WORLD_SIZE" in os.environ:  # started by torchrun (one or many machines) or gk.distributed.launch
@@ -101,25 +151,22 @@ def train_main(args: argparse.Namespace) -> History:
     device = resolve_device(distributed.default_device() if args.device == "auto" else args.device)
     get_precision(args.precision, device)  # raises now if unsupported here, before any data is loaded
 
-    if args.dataset == "shapes":
-        # The dataset keeps its own fixed seed: runs with different --seed train on the same images.
-        train, test = data.shapes(sizes["--train-size"], sizes["--test-size"])
-    else:
-        train, test = data.cifar10(args.data_dir, download=not args.no_download)
+    loader, test, described = _data(args, sizes, device)
     seed_everything(args.seed)  # the model's initial weights
-    model = models.fast_cnn(sizes["--width"]) if args.model == "fast_cnn" else models.resnet18()
-    loader = data.DeviceLoader(train, sizes["--batch-size"], augment=args.augment, device=device, seed=args.seed)
+    model = _model(args, sizes, 0 if text else len(test.classes))
+    lr = args.lr if args.lr is not None else (3e-3 if text else 0.1)
     distributed.print0(
-        f"training {args.model} on {args.dataset} ({len(train):,} train / {len(test):,} held-out images) "
-        f"on {device}: precision={args.precision} epochs={sizes['--epochs']} batch_size={sizes['--batch-size']} "
-        f"lr={args.lr} profile={profile.name}",
+        f"training {args.model} on {args.dataset} ({described}) on {device}: precision={args.precision} "
+        f"epochs={sizes['--epochs']} batch_size={sizes['--batch-size']} lr={lr} profile={profile.name}",
         flush=True,
     )
     history = fit(
         model,
         loader,
         epochs=sizes["--epochs"],
-        lr=args.lr,
+        lr=lr,
+        optimizer="adamw" if text else "sgd",
+        weight_decay=0.1 if text else 5e-4,
         precision=args.precision,
         device=device,
         eval_data=test,
@@ -127,10 +174,16 @@ def train_main(args: argparse.Namespace) -> History:
         progress=not args.no_progress,
         seed=args.seed,
     )
-    accuracy = history.final_eval_accuracy
-    accuracy_text = "n/a" if accuracy is None else f"{accuracy:.3f}"
-    distributed.print0(f"eval_accuracy={accuracy_text} images_per_second={history.images_per_second:.0f}", flush=True)
+    if text:
+        result = f"eval_loss={_number(history.final_eval_loss, '.3f')} tokens_per_second={_number(history.tokens_per_second, '.0f')}"
+    else:
+        result = f"eval_accuracy={_number(history.final_eval_accuracy, '.3f')} images_per_second={_number(history.images_per_second, '.0f')}"
+    distributed.print0(result, flush=True)
     return history
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def _one_line(error: BaseException) -> str:

@@ -34,16 +34,26 @@ class Profile:
     batch_sizes: tuple[int, ...]  # sweep for batch-size lessons
     bench_repeats: int  # timed repeats per measurement
     matmul_size: int  # n for an n×n matmul benchmark
+    # The small GPT on byte tokens (gk.models.gpt, gk.data.text):
+    text_bytes: int | None  # bytes of the corpus read (None: all of it)
+    seq_len: int  # tokens per window
+    gpt_width: int
+    gpt_depth: int  # transformer blocks
+    gpt_heads: int
+    gpt_steps: int  # optimizer steps of a lesson's training run
 
 
 PROFILES = {
     # CI and tests: a 2-core CPU, each notebook well under 90 s.
-    "tiny": Profile("tiny", 8192, 1024, 4, 8, 64, (16, 32, 64, 128), 5, 512),
+    "tiny": Profile("tiny", 8192, 1024, 4, 8, 64, (16, 32, 64, 128), 5, 512,
+                    text_bytes=1_000_000, seq_len=64, gpt_width=64, gpt_depth=2, gpt_heads=4, gpt_steps=150),
     # A laptop without a GPU: minutes per lesson.
-    "cpu": Profile("cpu", 20_000, 5_000, 8, 32, 128, (16, 32, 64, 128, 256), 10, 1024),
+    "cpu": Profile("cpu", 20_000, 5_000, 8, 32, 128, (16, 32, 64, 128, 256), 10, 1024,
+                   text_bytes=4_000_000, seq_len=128, gpt_width=128, gpt_depth=4, gpt_heads=4, gpt_steps=600),
     # Full size on a CUDA GPU.
-    "gpu": Profile("gpu", 50_000, 10_000, 10, 64, 256, (32, 64, 128, 256, 512, 1024), 20, 8192),
-}
+    "gpu": Profile("gpu", 50_000, 10_000, 10, 64, 256, (32, 64, 128, 256, 512, 1024), 20, 8192,
+                   text_bytes=None, seq_len=256, gpt_width=384, gpt_depth=6, gpt_heads=6, gpt_steps=2000),
+}  # fmt: skip
 
 
 @dataclass

@@ -13,16 +13,26 @@ def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.5):
 
 
 def plot_history(history, title: str | None = None):
-    """Loss per logged step, and train/eval accuracy per epoch."""
-    figure, (loss_axis, accuracy_axis) = _figure(2)
+    """Loss per logged step; then, per epoch, accuracy (where it applies) or the epoch losses, and
+    one panel for each of your metrics (train and held-out)."""
+    names = history.metric_names
+    panels = ["accuracy" if "train_accuracy" in names else "loss"]
+    panels += [name[len("train_") :] for name in names if name.startswith("train_") and name[6:] not in ("loss", "accuracy")]
+    figure, (loss_axis, *axes) = _figure(1 + len(panels))
     loss_axis.plot([r["step"] for r in history.steps], [r["loss"] for r in history.steps])
-    loss_axis.set(xlabel="optimizer step", ylabel="training loss", yscale="log", title="loss")
+    loss_axis.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
+    if history.steps and min(r["loss"] for r in history.steps) > 0:
+        loss_axis.set_yscale("log")
     epochs = [r["epoch"] for r in history.epochs]
-    accuracy_axis.plot(epochs, [r["train_accuracy"] for r in history.epochs], "o-", label="train")
-    if any(r["eval_accuracy"] is not None for r in history.epochs):
-        accuracy_axis.plot(epochs, [r["eval_accuracy"] for r in history.epochs], "o-", label="held-out")
-    accuracy_axis.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="accuracy")
-    accuracy_axis.legend()
+    for axis, panel in zip(axes, panels):
+        for prefix, label in (("train_", "train"), ("eval_", "held-out")):
+            values = [r.get(prefix + panel) for r in history.epochs]
+            if any(value is not None for value in values):
+                axis.plot(epochs, values, "o-", label=label)
+        axis.set(xlabel="epoch", ylabel=panel, title=f"{panel} per epoch")
+        if panel == "accuracy":
+            axis.set_ylim(0, 1)
+        axis.legend()
     if title:
         figure.suptitle(title)
     figure.tight_layout()

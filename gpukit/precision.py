@@ -24,11 +24,12 @@ _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 class Precision:
     """Autocast, backward with loss scaling, and the optimizer step for one precision."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, *, loss_scaling: bool = True):
         self.name = name
-        self.device = device
+        self.device = torch.device(device)
         self.dtype = _AUTOCAST_DTYPE.get(name)  # None: no autocast
-        self.scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16-mixed")
+        # loss_scaling=False: fp16 without a scaler (gk.memory's fake tensors have no values to scale).
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=name == "fp16-mixed" and loss_scaling)
         self.skipped_steps = 0  # optimizer steps skipped because fp16 gradients overflowed
         self._last_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
 

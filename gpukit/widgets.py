@@ -45,6 +45,16 @@ class LivePlot:
             plt.close(figure)
 
 
+_SHORT = {"image": "img/s", "sequence": "seq/s", "sample": "samples/s"}
+
+
+def throughput(row: dict, sample_name: str) -> dict[str, str]:
+    """The throughput of a logged window for a progress bar: tokens/s for text, else samples/s."""
+    if row.get("tokens_per_second") is not None:
+        return {"tok_s": f"{row['tokens_per_second']:.0f}"}
+    return {_SHORT.get(sample_name, "samples/s").replace("/", "_"): f"{row['samples_per_second']:.0f}"}
+
+
 class Progress:
     """A tqdm.auto bar over optimizer steps, showing the latest loss and throughput."""
 
@@ -64,7 +74,7 @@ class Progress:
         if self.bar is None:
             return
         self.bar.update(steps)
-        self.bar.set_postfix(loss=f"{row['loss']:.3f}", img_s=f"{row['images_per_second']:.0f}", refresh=False)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", **throughput(row, history.sample_name), refresh=False)
         self.history = history
         if self.live is not None:
             self.live.update(history)
@@ -72,9 +82,12 @@ class Progress:
     def epoch_done(self, history) -> None:
         if self.bar is None or not history.epochs:
             return
-        row = history.epochs[-1]
-        accuracy = row["eval_accuracy"] if row["eval_accuracy"] is not None else row["train_accuracy"]
-        self.bar.set_description(f"epoch {row['epoch']} acc {accuracy:.3f}")
+        shown = [name for name in history.metric_names if history.final(name) is not None]
+        # Held-out figures when there are any; accuracy (or else the loss) first, then your metrics.
+        shown = [name for name in shown if name.startswith("eval_")] or shown
+        shown.sort(key=lambda name: (not name.endswith("accuracy"), not name.endswith("loss")))
+        text = " ".join(f"{name} {history.final(name):.3g}" for name in shown[:3])
+        self.bar.set_description(f"epoch {history.epochs[-1]['epoch']} {text}")
 
     def close(self) -> None:
         if self.live is not None and self.history is not None and self.history.steps:

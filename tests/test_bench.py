@@ -67,7 +67,7 @@ def test_bad_inputs():
         matmul_tflops("cpu", dtype="tf32")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_timing_uses_events_and_sees_the_work():
     a = torch.randn(4096, 4096, device="cuda")
     timing = timeit(lambda: a @ a, device="cuda", repeats=5)

@@ -7,7 +7,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit import memory
-from gpukit.checkpointing import apply_checkpointing, find_blocks, is_checkpointed, remove_checkpointing
+from gpukit.memory.checkpointing import apply_checkpointing, find_blocks, is_checkpointed, remove_checkpointing
 
 
 @pytest.fixture(autouse=True, scope="module")

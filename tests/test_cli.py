@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from gpukit.cli import main
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA_GPU = gpukit.detect().device == "cuda"  # asks NVML, not the CUDA runtime
 # Small enough for a 2-core CPU: one epoch of 8 steps.
-SMALL_RUN = ["--train-size", "512", "--test-size", "128", "--epochs", "1", "--width", "8", "--batch-size", "64"]
+SMALL_RUN = [
+    "--train-size", "512", "--test-size", "128", "--epochs", "1", "--width", "8", "--batch-size", "64", "--device", "cpu"
+]  # fmt: skip
 
 
 def run_gpukit(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -109,8 +112,14 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
         (["--lr", "0"], ["--lr"]),
         (["--model", "resnet18", "--width", "8"], ["--width", "fast_cnn"]),
         (["--dataset", "cifar10", "--train-size", "100"], ["--train-size", "shapes"]),
+        (["--model", "gpt"], ["--model gpt", "--dataset text"]),
+        (["--dataset", "text", "--model", "fast_cnn"], ["--model gpt", "--dataset text"]),
+        (["--dataset", "folder"], ["--data-dir", "subfolder"]),
+        (["--seq-len", "64"], ["--seq-len", "text"]),
+        (["--dataset", "text", "--augment"], ["--augment", "images"]),
     ],
-    ids=["epochs-0", "negative-train-size", "lr-0", "width-with-resnet18", "size-with-cifar10"],
+    ids=["epochs-0", "negative-train-size", "lr-0", "width-with-resnet18", "size-with-cifar10", "gpt-on-images",
+         "cnn-on-text", "folder-without-path", "seq-len-on-images", "augment-text"],  # fmt: skip
 )
 def test_main_rejects_bad_arguments(monkeypatch, capsys, arguments, words):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
@@ -131,3 +140,38 @@ def test_main_without_a_command_shows_usage(capsys):
 def test_main_doctor(capsys):
     assert main(["doctor"]) == 0
     assert torch.__version__ in capsys.readouterr().out
+
+
+def _last_line_fields(output: str) -> dict[str, str]:
+    return dict(field.split("=") for field in output.strip().splitlines()[-1].split())
+
+
+def test_train_a_gpt_on_your_text(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    arguments = ["--dataset", "text", "--data-dir", str(corpus), "--seq-len", "32", "--width", "32", "--epochs", "1",
+                 "--batch-size", "16", "--device", "cpu", "--no-progress"]  # fmt: skip
+    assert main(["train", *arguments]) == 0, capsys.readouterr().err
+    fields = _last_line_fields(capsys.readouterr().out)
+    assert set(fields) == {"eval_loss", "tokens_per_second"}
+    assert 0 < float(fields["eval_loss"]) < math.log(256)  # it learned: below a uniform guess over 256 bytes
+    assert float(fields["tokens_per_second"]) > 0
+
+
+def test_train_on_your_image_folder(monkeypatch, capsys, tmp_path):
+    from torchvision.io import write_png
+
+    monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
+    for label, colour in enumerate(("red", "blue")):
+        (tmp_path / colour).mkdir()
+        for index in range(10):
+            image = torch.zeros(3, 20, 24, dtype=torch.uint8)
+            image[2 * label] = 200 + index  # red or blue
+            write_png(image, str(tmp_path / colour / f"{index}.png"))
+    arguments = ["--dataset", "folder", "--data-dir", str(tmp_path), "--image-size", "16", "--width", "4",
+                 "--epochs", "1", "--batch-size", "4", "--device", "cpu", "--no-progress"]  # fmt: skip
+    assert main(["train", *arguments]) == 0, capsys.readouterr().err
+    output = capsys.readouterr().out
+    assert "16 train / 4 held-out images of 2 classes" in output
+    assert set(_last_line_fields(output)) == {"eval_accuracy", "images_per_second"}

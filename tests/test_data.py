@@ -47,21 +47,21 @@ def test_image_dataset_rejects_labels_outside_classes():
 
 def test_device_loader_covers_epoch_and_normalises():
     train, _ = shapes(256, 0)
-    loader = DeviceLoader(train, 64, shuffle=True, seed=1)
+    loader = DeviceLoader(train, 64, shuffle=True, seed=1, device="cpu")
     seen = torch.cat([labels for _, labels in loader])
     assert len(loader) == 4 and len(seen) == 256
     assert torch.equal(torch.sort(seen).values, torch.sort(train.labels).values)  # a permutation
-    images, _ = next(iter(DeviceLoader(train, 256, shuffle=False)))
+    images, _ = next(iter(DeviceLoader(train, 256, shuffle=False, device="cpu")))
     assert images.dtype == torch.float32 and images.shape == (256, 3, 32, 32)
     assert images.mean((0, 2, 3)).abs().max() < 0.05 and (images.std((0, 2, 3)) - 1).abs().max() < 0.05
-    unshuffled = DeviceLoader(train, 256, shuffle=False)
+    unshuffled = DeviceLoader(train, 256, shuffle=False, device="cpu")
     reference = (train.images.float() / 255 - train.mean[:, None, None]) / train.std[:, None, None]
     assert torch.allclose(next(iter(unshuffled))[0], reference, atol=1e-5)  # same as the Dataset's own view
 
 
 def test_device_loader_epochs_replay_and_differ():
     train, _ = shapes(128, 0)
-    loader = DeviceLoader(train, 32, augment=True, seed=5)
+    loader = DeviceLoader(train, 32, augment=True, seed=5, device="cpu")
     loader.set_epoch(2)
     first = [b[0] for b in loader]
     loader.set_epoch(2)
@@ -74,7 +74,7 @@ def test_device_loader_epochs_replay_and_differ():
 
 def test_device_loader_shards_are_disjoint_and_cover_the_data():
     train, _ = shapes(100, 0)
-    shards = [DeviceLoader(train, 10, shuffle=True, seed=0, rank=r, world_size=2) for r in range(2)]
+    shards = [DeviceLoader(train, 10, shuffle=True, seed=0, rank=r, world_size=2, device="cpu") for r in range(2)]
     for shard in shards:
         shard.set_epoch(1)
     images = [torch.cat([b[0] for b in shard]) for shard in shards]
@@ -101,9 +101,9 @@ def test_random_crop_flip_shifts_and_flips():
 def test_loaders_reject_bad_input():
     train, _ = shapes(64, 0)
     with pytest.raises(ValueError, match="batch_size"):
-        DeviceLoader(train, 0)
+        DeviceLoader(train, 0, device="cpu")
     with pytest.raises(ValueError, match="empty"):
-        DeviceLoader(train.subset(0), 8)
+        DeviceLoader(train.subset(0), 8, device="cpu")
     with pytest.raises(ValueError, match="batch_size"):
         dataloader(train, -1)
     with pytest.raises(TypeError, match="ImageDataset"):
@@ -115,7 +115,7 @@ def test_loaders_reject_bad_input():
 def test_dataloader_path_matches_device_loader_contents():
     train, _ = shapes(128, 0)
     standard = dataloader(train, 32, shuffle=False, num_workers=0)
-    device = DeviceLoader(train, 32, shuffle=False)
+    device = DeviceLoader(train, 32, shuffle=False, device="cpu")
     for (a, la), (b, lb) in zip(standard, device):
         assert torch.allclose(a, b, atol=1e-5) and torch.equal(la, lb)
     augmented = next(iter(dataloader(train, 32, augment=True, num_workers=0)))[0]
@@ -172,7 +172,7 @@ def test_cifar10_loads_real_format(small_cifar):
     raw = pickle.load(open(small_cifar / "cifar-10-batches-py" / "data_batch_1", "rb"))
     assert torch.equal(train.images[0, 0].flatten(), torch.from_numpy(raw["data"][0, :1024]))
     assert train.labels[0] == raw["labels"][0]
-    history = gk.fit(gk.models.fast_cnn(4), train, epochs=1, batch_size=50, progress=False)
+    history = gk.fit(gk.models.fast_cnn(4), train, epochs=1, batch_size=50, progress=False, device="cpu")
     assert len(history.epochs) == 1
 
 

@@ -16,15 +16,18 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
-from gpukit import costmodel, distributed, scaling
+from gpukit import distributed
+from gpukit.distributed import costmodel, scaling
 from gpukit.data import DeviceLoader, shapes
-from gpukit.pipeline import Scale, TwoStagePipeline, split_in_two
+from gpukit.distributed.pipeline import Scale, TwoStagePipeline, split_in_two
 
 pytestmark = pytest.mark.timeout(300)
 
 # Identical settings for the one-worker and the two-worker runs; a linear schedule with a fixed
 # warm-up, so the learning rate at each step is the same whatever the batch.
-COMMON = dict(epochs=2, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, log_every=4, seed=3)
+COMMON = dict(
+    epochs=2, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, log_every=4, seed=3, device="cpu"
+)
 BATCH = 32  # per rank
 SHORT = COMMON | {"max_steps": 4}  # enough to tell two trainings apart
 
@@ -131,7 +134,7 @@ def data():
 
 @pytest.fixture(scope="module")
 def two_ranks(data):
-    return gk.distributed.launch(two_rank_worker, 2, data, timeout=240)
+    return gk.distributed.launch(two_rank_worker, 2, data, backend="gloo", timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +291,8 @@ def test_setup_errors(monkeypatch):
 
 
 def as_rank(monkeypatch, rank: int, world_size: int = 2) -> None:
-    monkeypatch.setattr(distributed, "rank", lambda: rank)
-    monkeypatch.setattr(distributed, "world_size", lambda: world_size)
+    monkeypatch.setattr(distributed.parallel, "rank", lambda: rank)
+    monkeypatch.setattr(distributed.parallel, "world_size", lambda: world_size)
 
 
 def test_device_loader_shards_are_disjoint_and_make_up_the_big_batch(monkeypatch, data):

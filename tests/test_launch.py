@@ -50,7 +50,7 @@ def notebook_function():
 def test_spawn_returns_every_ranks_result_and_shows_their_output(capsys, monkeypatch):
     # The parent "has touched CUDA": spawned workers do not care (fork would refuse, see below).
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    results = launch(notebook_function(), 2, 10)
+    results = launch(notebook_function(), 2, 10, backend="gloo")
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world_size"] == 2 and r["device"] == "cpu" for r in results)
     assert all(torch.equal(r["total"], torch.tensor([21.0])) for r in results)  # (0+10) + (1+10)
@@ -73,7 +73,7 @@ def raise_on_rank_one():
 def test_failing_rank_stops_the_others_and_raises_its_traceback(capsys):
     started = time.monotonic()
     with pytest.raises(WorkerError) as caught:
-        launch(raise_on_rank_one, 2, timeout=120)
+        launch(raise_on_rank_one, 2, backend="gloo", timeout=120)
     assert time.monotonic() - started < 60  # rank 0 was stopped, not left waiting in the barrier
     error = caught.value
     assert error.rank == 1 and isinstance(error.exception, ValueError)
@@ -91,7 +91,7 @@ def die_on_rank_one():
 
 def test_killed_rank_is_reported_and_nothing_hangs():
     with pytest.raises(WorkerError, match=r"rank 1 of 2 was killed by SIGKILL") as caught:
-        launch(die_on_rank_one, 2, start_method="fork", timeout=60)
+        launch(die_on_rank_one, 2, backend="gloo", start_method="fork", timeout=60)
     assert caught.value.rank == 1 and caught.value.exception is None
 
 
@@ -102,7 +102,7 @@ def sleep_forever():
 def test_timeout_stops_every_worker():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"timeout=1.0 s; rank\(s\) \[0, 1\] were still running"):
-        launch(sleep_forever, 2, start_method="fork", timeout=1.0)
+        launch(sleep_forever, 2, backend="gloo", start_method="fork", timeout=1.0)
     assert time.monotonic() - started < 20
 
 
@@ -116,7 +116,7 @@ def all_reduce_ranks():
 
 def test_fork_after_the_parent_used_openmp_runs_with_one_thread():
     torch.nn.functional.conv2d(torch.randn(8, 3, 32, 32), torch.randn(8, 3, 3, 3)).sum()  # the parent uses OpenMP
-    results = launch(all_reduce_ranks, 2, start_method="fork", timeout=60)
+    results = launch(all_reduce_ranks, 2, backend="gloo", start_method="fork", timeout=60)
     for total, threads in results:
         assert torch.equal(total, torch.arange(4.0) * 3) and threads == 1
 
@@ -124,7 +124,7 @@ def test_fork_after_the_parent_used_openmp_runs_with_one_thread():
 def test_fork_is_refused_once_cuda_is_initialised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is already initialised") as caught:
-        launch(all_reduce_ranks, 2, start_method="fork")
+        launch(all_reduce_ranks, 2, backend="gloo", start_method="fork")
     for fix in ("start_method='spawn'", "restart the kernel", "torchrun"):
         assert fix in str(caught.value)
 
@@ -147,7 +147,7 @@ def exit_early():
 )
 def test_results_that_cannot_come_back_are_clear_errors(function, message):
     with pytest.raises(WorkerError, match=message):
-        launch(function, 1, start_method="fork", timeout=60)
+        launch(function, 1, backend="gloo", start_method="fork", timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_a_function_that_cannot_be_sent():
             return 1
 
     with pytest.raises(TypeError, match=r"cannot send 'uses_a_lock'.*Create such objects .* inside the function"):
-        launch(uses_a_lock, 2)
+        launch(uses_a_lock, 2, backend="gloo")
 
 
 def test_a_port_in_use():

@@ -1,13 +1,21 @@
+"""fit, evaluate and History: the CNN lessons' claims, and every feature on other kinds of model
+(a byte-level GPT on (B, T) tokens, a regression, a Hugging Face-style model on dict batches)."""
+
 import copy
 import math
 
+import matplotlib
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
 
 import gpukit as gk
-from gpukit.data import DeviceLoader, ImageDataset, shapes
+from gpukit.data import DeviceLoader, ImageDataset, TextLoader, shapes
 from gpukit.env import PROFILES
+
+matplotlib.use("Agg")  # figures are drawn, never shown
 
 
 @pytest.fixture(scope="module")
@@ -21,24 +29,84 @@ def mlp(num_classes=10, seed=0):
     return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.GELU(), nn.Flatten(), nn.Linear(8 * 15 * 15, num_classes))
 
 
+def tiny_gpt(seed=0, **sizes):
+    torch.manual_seed(seed)
+    return gk.models.gpt(**({"max_seq_len": 32, "width": 32, "depth": 2, "heads": 2} | sizes))
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """Byte tokens of real text (this package's own source), split into train and held-out windows of 16."""
+    return gk.data.text(gk.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")
+
+
+def regression(count=256, seed=0):
+    """y = 2·x0 - x1 + x2·x3 with a little noise: a (B, 1) target, floating point."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(count, 4, generator=generator)
+    target = 2 * features[:, :1] - features[:, 1:2] + features[:, 2:3] * features[:, 3:4]
+    return TensorDataset(features, target + 0.05 * torch.randn(count, 1, generator=generator))
+
+
+def regressor(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 32), nn.GELU(), nn.Linear(32, 1))
+
+
+class ModelOutput(dict):
+    """The shape of a Hugging Face ModelOutput: a dict whose entries are also attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face-style causal LM: model(input_ids=…, attention_mask=…, labels=…) returns
+    .loss and .logits, and shifts the labels inside (position t predicts token t + 1)."""
+
+    def __init__(self, vocab=256, width=16, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.head(self.embed(input_ids))  # (B, T, V)
+        if labels is None:
+            return ModelOutput(logits=logits)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return ModelOutput(loss=loss, logits=logits)
+
+
+def dict_batches(corpus, batch_size=8, count=6):
+    windows = [corpus[i][0] for i in range(batch_size * count)]
+    return [
+        {"input_ids": torch.stack(windows[i : i + batch_size]), "attention_mask": torch.ones(batch_size, 16),
+         "labels": torch.stack(windows[i : i + batch_size])}
+        for i in range(0, len(windows), batch_size)
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # The lesson claims: a CNN learns shapes, a linear classifier does not
 
 
-def test_shapes_cnn_reaches_80_percent_and_linear_stays_below_50_in_tiny_profile():
+def test_shapes_cnn_reaches_80_percent_and_linear_stays_below_50_in_tiny_profile(device):
     tiny = PROFILES["tiny"]
     train, test = shapes(tiny.train_size, tiny.test_size, seed=0)
     gk.seed_everything(0)
     cnn = gk.fit(
         gk.models.fast_cnn(tiny.width), train, epochs=tiny.epochs, batch_size=tiny.batch_size, lr=0.1,
-        eval_data=test, progress=False,
+        eval_data=test, progress=False, device=device,
     )  # fmt: skip
     assert cnn.final_eval_accuracy >= 0.8
     best_linear = 0.0
     for optimizer, lr in (("adamw", 1e-3), ("sgd", 0.01)):  # the baseline gets a fair try at two settings
         history = gk.fit(
             gk.models.linear_classifier(), train, epochs=5, batch_size=128, lr=lr, optimizer=optimizer,
-            eval_data=test, progress=False,
+            eval_data=test, progress=False, device=device,
         )  # fmt: skip
         best_linear = max(best_linear, history.final_eval_accuracy)
     assert best_linear < 0.5
@@ -48,102 +116,352 @@ def test_shapes_cnn_reaches_80_percent_and_linear_stays_below_50_in_tiny_profile
 # Results and history
 
 
-def test_fit_learns_and_records_history(small_data):
+def test_fit_learns_and_records_history(small_data, device):
     train, test = small_data
     history = gk.fit(
-        gk.models.fast_cnn(8), train, epochs=2, batch_size=32, lr=0.1, eval_data=test, progress=False, log_every=4
-    )
+        gk.models.fast_cnn(8), train, epochs=2, batch_size=32, lr=0.1, eval_data=test, progress=False, log_every=4,
+        device=device,
+    )  # fmt: skip
     assert len(history.epochs) == 2
     steps = [row["step"] for row in history.steps]
     assert steps == sorted(steps) and steps[-1] == 2 * (512 // 32)
     for row in history.steps:
-        assert row["step_time"] > 0 and row["images_per_second"] > 0 and math.isfinite(row["loss"])
+        assert row["step_time"] > 0 and row["samples_per_second"] > 0 and math.isfinite(row["loss"])
+        assert "tokens_per_second" not in row  # images are not sequences
     assert history.losses[-1] < history.losses[0]  # it learns something in 32 steps
     assert 0 <= history.final_eval_accuracy <= 1
     assert history.epochs[0]["peak_memory"] is None  # not measured on CPU: None, not a made-up number
-    assert "eval_accuracy" in str(history.table()) and history.images_per_second > 0
+    assert "eval_accuracy" in str(history.table()) and history.images_per_second == history.samples_per_second > 0
+    assert history.sample_name == "image" and history.tokens_per_second is None
 
 
-def test_fit_does_not_synchronise_every_step(small_data, monkeypatch):
-    """Reading a tensor's value (.item()) waits for the GPU; fit does it once per logged window."""
+def test_fit_does_not_synchronise_every_step(small_data, monkeypatch, device):
+    """Reading a tensor's value waits for the GPU; fit does it once per logged window."""
     train, _ = small_data
     calls = 0
-    original = torch.Tensor.item
 
-    def counting_item(self):
-        nonlocal calls
-        calls += 1
-        return original(self)
+    def counting(original):
+        def read(self, *args):
+            nonlocal calls
+            calls += 1
+            return original(self, *args)
 
-    monkeypatch.setattr(torch.Tensor, "item", counting_item)
-    gk.fit(mlp(), train, epochs=1, batch_size=16, lr=0.01, progress=False, log_every=8)  # 32 steps
-    assert calls <= 32 // 8 + 3  # one per window plus the per-epoch totals
+        return read
+
+    monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counting(torch.Tensor.tolist))
+    gk.fit(mlp(), train, epochs=1, batch_size=16, lr=0.01, progress=False, log_every=8, device=device)  # 32 steps
+    assert calls <= 32 // 8 + 3  # one per window, the per-epoch totals, the first batch's label check
 
 
-def test_evaluate(small_data):
-    train, test = small_data
+def test_evaluate(small_data, device):
+    _, test = small_data
     model = gk.models.fast_cnn(8)
-    result = gk.evaluate(model, test)
-    assert 0 <= result["accuracy"] <= 1 and result["images"] == len(test) and result["loss"] > 0
+    result = gk.evaluate(model, test, device=device)
+    assert 0 <= result["accuracy"] <= 1 and result["samples"] == len(test) and result["loss"] > 0
     assert model.training  # evaluate restores the mode it found
-    assert gk.evaluate(model, DeviceLoader(test, 50, shuffle=False))["images"] == len(test)
+    assert gk.evaluate(model, DeviceLoader(test, 50, shuffle=False, device=device))["samples"] == len(test)
+
+
+# ---------------------------------------------------------------------------------------------
+# Any model, any batch
+
+
+def test_a_next_token_model_reports_token_accuracy_and_tokens_per_second(corpus, device):
+    train, test = corpus
+    history = gk.fit(tiny_gpt(), train, batch_size=16, epochs=2, lr=3e-3, optimizer="adamw", eval_data=test,
+                     progress=False, log_every=5, device=device)  # fmt: skip
+    assert history.sample_name == "sequence"
+    row = history.steps[-1]
+    assert math.isclose(row["tokens_per_second"], 16 * row["samples_per_second"], rel_tol=1e-6)  # 16 tokens a window
+    assert history.tokens_per_second > 0 and history.images_per_second is None
+    assert 0 < history.final_eval_accuracy < 1 and 0 < history.final_train_accuracy < 1  # accuracy per token
+    assert history.losses[-1] < history.losses[0]
+    result = gk.evaluate(tiny_gpt(), test, batch_size=32, device=device)
+    assert result["tokens"] == 16 * result["samples"] == 16 * len(test)
+
+
+def test_a_regression_has_no_accuracy_and_reports_your_metrics(device):
+    data = regression()
+    held_out = regression(64, seed=1)
+    mae = {"mae": lambda outputs, target: (outputs - target).abs().mean()}
+    history = gk.fit(regressor(), data, batch_size=32, epochs=4, lr=0.05, loss_fn="mse", metrics=mae,
+                     eval_data=held_out, progress=False, device=device)  # fmt: skip
+    row = history.epochs[-1]
+    assert not any("accuracy" in key for key in row)  # no accuracy column at all, never a 0.0
+    assert history.final_eval_accuracy is None and "accuracy" not in str(history.table())
+    assert {"train_mae", "eval_mae"} <= row.keys() and "eval_mae" in str(history.table())
+    assert 0 < row["eval_mae"] < held_out.tensors[1].std().item()  # better than guessing the mean
+    assert history.metric_names == ["train_loss", "train_mae", "eval_loss", "eval_mae"]
+    figure = history.plot()
+    assert [axis.get_title() for axis in figure.axes] == ["loss per step", "loss per epoch", "mae per epoch"]
+
+
+def test_metrics_are_sample_weighted_means_of_the_held_out_data(device):
+    """eval_<metric> equals the same function applied to all held-out outputs at once."""
+    data, held_out = regression(), regression(70, seed=1)  # 70: the last batch of 32 is short
+    model = regressor()
+    history = gk.fit(model, data, batch_size=32, loss_fn="mse", progress=False, device=device,
+                     metrics={"mae": lambda o, t: (o - t).abs().mean().item()}, eval_data=held_out)  # fmt: skip
+    with torch.no_grad():
+        outputs = model(held_out.tensors[0])
+    expected = (outputs - held_out.tensors[1]).abs().mean().item()
+    assert math.isclose(history.final("eval_mae"), expected, rel_tol=1e-5)
+    assert math.isclose(history.final_eval_loss, F.mse_loss(outputs, held_out.tensors[1]).item(), rel_tol=1e-5)
+
+
+def test_dict_batches_use_the_models_own_loss(corpus, device):
+    batches = dict_batches(corpus[0])
+    model = CausalLM()
+    history = gk.fit(model, batches, epochs=3, lr=0.05, optimizer="adamw", progress=False, log_every=2, device=device)
+    assert history.losses[-1] < history.losses[0] and history.sample_name == "sequence"
+    assert not any("accuracy" in key for key in history.epochs[-1])  # the model shifts its labels: no accuracy here
+    assert history.tokens_per_second > 0
+    with torch.no_grad():  # the logged loss is the model's own loss
+        own = model(**batches[0]).loss.item()
+    assert math.isclose(gk.evaluate(model, batches[:1], device=device)["loss"], own, rel_tol=1e-5)
+
+
+def test_an_explicit_loss_fn_wins_over_the_models_loss(corpus, device):
+    calls = []
+
+    def my_loss(logits, labels):
+        calls.append(tuple(logits.shape))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    gk.fit(CausalLM(), dict_batches(corpus[0], count=2), loss_fn=my_loss, progress=False, device=device)
+    assert calls == [(8, 16, 256), (8, 16, 256)]
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(2, 4)
+
+    def forward(self, a, b):
+        return self.a(a) + self.b(b)
+
+
+@pytest.mark.parametrize("form", ["tuple", "list", "dict", "three-tensors", "tuple-output", "object-output"])
+def test_batch_and_output_forms(form, device):
+    generator = torch.Generator().manual_seed(0)
+    a, b, y = torch.randn(32, 3, generator=generator), torch.randn(32, 2, generator=generator), torch.randint(4, (32,))
+    model = TwoInputs()
+    if form == "three-tensors":
+        data = TensorDataset(a, b, y)  # yields (a, b, y): model(a, b), target y
+        history = gk.fit(model, data, batch_size=8, progress=False, device=device)
+    else:
+        inputs = {"tuple": lambda i: (a[i], b[i]), "list": lambda i: [a[i], b[i]], "dict": lambda i: {"a": a[i], "b": b[i]}}
+        if form.endswith("output"):
+            wrap = (lambda x: (x, None)) if form == "tuple-output" else (lambda x: type("Out", (), {"logits": x})())
+            model.forward = lambda a, b, forward=model.forward: wrap(forward(a, b))
+            inputs = {form: inputs["tuple"]}
+        batches = [(inputs[next(iter(inputs))](slice(i, i + 8)), y[i : i + 8]) for i in range(0, 32, 8)]
+        history = gk.fit(model, batches, progress=False, device=device)
+    assert len(history.steps) == 1 and history.steps[0]["step"] == 4 and "train_accuracy" in history.epochs[0]
+
+
+def test_default_collate_of_nested_inputs_calls_the_model_with_positions(device):
+    """A Dataset yielding ((a, b), y) reaches fit as lists from PyTorch's default collate."""
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, index):
+            return (torch.full((3,), float(index)), torch.ones(2)), index % 4
+
+    history = gk.fit(TwoInputs(), Pairs(), batch_size=4, progress=False, device=device)
+    assert history.steps[-1]["step"] == 4
+
+
+class Batches:
+    """A re-iterable of batches without len(): each iteration starts afresh."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_data_without_len_trains_several_epochs_with_max_steps(device):
+    data = regression(96)
+    batches = Batches([(x, y) for x, y in torch.utils.data.DataLoader(data, batch_size=32)])
+    with pytest.raises(ValueError, match=r"no len\(\).*pass max_steps=N.*schedule='constant'"):
+        gk.fit(regressor(), batches, epochs=2, loss_fn="mse", progress=False, device=device)
+    history = gk.fit(regressor(), batches, epochs=5, max_steps=10, loss_fn="mse", progress=True, device=device)
+    assert history.steps[-1]["step"] == 10 and [row["epoch"] for row in history.epochs] == [1, 2, 3, 4]
+    constant = gk.fit(regressor(), batches, epochs=2, schedule="constant", warmup=0, loss_fn="mse", progress=False,
+                      device=device)  # fmt: skip
+    assert constant.steps[-1]["step"] == 6
+
+
+def test_a_generator_cannot_be_read_for_several_epochs(device):
+    data = ((torch.randn(4, 4), torch.randn(4, 1)) for _ in range(3))
+    with pytest.raises(ValueError, match="can be read only once"):
+        gk.fit(regressor(), data, epochs=2, max_steps=5, loss_fn="mse", progress=False, device=device)
+
+
+def test_label_smoothing_with_held_out_data(small_data, device):
+    """A regression once: label_smoothing made fit call loss_fn(…, reduction='sum') on the held-out data."""
+    train, test = small_data
+    model = mlp()
+    history = gk.fit(model, train, batch_size=64, label_smoothing=0.1, eval_data=test, progress=False, device=device)
+    plain = gk.evaluate(model, test, device=device)  # held-out loss is plain cross-entropy, without smoothing
+    assert math.isclose(history.final_eval_loss, plain["loss"], rel_tol=1e-5)
+    with pytest.raises(ValueError, match="label_smoothing applies to the built-in cross-entropy"):
+        gk.fit(mlp(), train, batch_size=64, label_smoothing=0.1, loss_fn=F.nll_loss, progress=False, device=device)
+
+
+def test_your_loss_fn_without_a_reduction_argument_works_with_held_out_data(small_data, device):
+    train, test = small_data
+
+    def my_loss(logits, labels):  # no `reduction` parameter
+        return F.cross_entropy(logits, labels)
+
+    history = gk.fit(mlp(), train, batch_size=64, loss_fn=my_loss, eval_data=test, progress=False, device=device)
+    assert history.final_eval_loss > 0 and "eval_accuracy" not in history.epochs[-1]
+
+
+def test_an_optimizer_you_built_keeps_its_learning_rate(small_data, device):
+    train, _ = small_data
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    history = gk.fit(model, train, batch_size=64, optimizer=optimizer, schedule="constant", warmup=0, log_every=1,
+                     progress=False, device=device)  # fmt: skip
+    assert {row["lr"] for row in history.steps} == {0.001}
+    model = mlp()
+    history = gk.fit(model, train, batch_size=64, optimizer=lambda p: torch.optim.SGD(p, lr=0.002), lr=0.01,
+                     schedule="constant", warmup=0, log_every=1, progress=False, device=device)  # fmt: skip
+    assert {row["lr"] for row in history.steps} == {0.01}  # lr given: it wins
+
+
+def test_clip_bounds_the_step_of_a_sequence_model(corpus, device):
+    """Plain SGD with lr 1 moves the parameters by exactly the clipped gradient: its norm is at most `clip`."""
+    model = tiny_gpt()
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    gk.fit(model, corpus[0], batch_size=8, max_steps=1, lr=1.0, schedule="constant", warmup=0, clip=1e-3,
+           optimizer=lambda p: torch.optim.SGD(p, lr=1.0), progress=False, device=device)  # fmt: skip
+    moved = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    assert 0 < moved.norm().item() <= 1e-3 * (1 + 1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
 # Gradient accumulation
 
 
-def test_accumulation_matches_a_larger_batch_without_batchnorm(small_data):
+def test_accumulation_matches_a_larger_batch_without_batchnorm(small_data, device):
     train, _ = small_data
     models = [mlp(seed=3), mlp(seed=3)]
-    common = dict(epochs=1, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False)
-    gk.fit(models[0], DeviceLoader(train, 64, shuffle=False), **common)
-    gk.fit(models[1], DeviceLoader(train, 16, shuffle=False), accumulate=4, **common)
+    common = dict(epochs=1, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, device=device)
+    gk.fit(models[0], DeviceLoader(train, 64, shuffle=False, device=device), **common)
+    gk.fit(models[1], DeviceLoader(train, 16, shuffle=False, device=device), accumulate=4, **common)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_accumulation_differs_with_batchnorm(small_data):
+def test_accumulation_matches_a_larger_batch_for_a_sequence_model(corpus, device):
+    train, _ = corpus
+    models = [tiny_gpt(seed=2), tiny_gpt(seed=2)]
+    common = dict(max_steps=10, lr=1e-3, optimizer="adamw", schedule="linear", warmup=2, progress=False, device=device)
+    gk.fit(models[0], TextLoader(train, 16, shuffle=False, device=device), **common)
+    gk.fit(models[1], TextLoader(train, 4, shuffle=False, device=device), accumulate=4, **common)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_accumulation_differs_with_batchnorm(small_data, device):
     """BatchNorm normalises each micro-batch with its own statistics, so k micro-batches are not one big batch."""
     train, _ = small_data
     torch.manual_seed(0)
     models = [gk.models.fast_cnn(4), None]
     models[1] = copy.deepcopy(models[0])
-    common = dict(epochs=1, lr=0.05, schedule="constant", warmup=0, progress=False)
-    gk.fit(models[0], DeviceLoader(train, 64, shuffle=False), **common)
-    gk.fit(models[1], DeviceLoader(train, 16, shuffle=False), accumulate=4, **common)
+    common = dict(epochs=1, lr=0.05, schedule="constant", warmup=0, progress=False, device=device)
+    gk.fit(models[0], DeviceLoader(train, 64, shuffle=False, device=device), **common)
+    gk.fit(models[1], DeviceLoader(train, 16, shuffle=False, device=device), accumulate=4, **common)
     difference = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
     assert difference > 1e-4
 
 
+def test_leftover_micro_batches_do_not_leak_into_the_next_step(device):
+    """10 batches with accumulate=4 make 2 steps per epoch; batches 9 and 10 must not run backward."""
+    train, _ = shapes(160, 0)
+    models = [mlp(seed=5), mlp(seed=5)]
+    common = dict(epochs=2, lr=0.05, schedule="constant", warmup=0, progress=False, device=device)
+    gk.fit(models[0], DeviceLoader(train, 16, shuffle=False, device=device), accumulate=4, **common)
+    gk.fit(models[1], DeviceLoader(train.subset(128), 16, shuffle=False, device=device), accumulate=4, **common)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_leftover_micro_batches_of_data_without_len_are_dropped_too(device):
+    """Without len() the epoch's end is found only after its last batch: its incomplete step is discarded."""
+    data = [(x, y) for x, y in torch.utils.data.DataLoader(regression(160), batch_size=16)]  # 10 batches
+    models = [regressor(seed=5), regressor(seed=5)]
+    common = dict(epochs=2, max_steps=4, lr=0.05, schedule="constant", warmup=0, loss_fn="mse", progress=False,
+                  device=device, accumulate=4)  # fmt: skip
+    gk.fit(models[0], Batches(data), **common)
+    gk.fit(models[1], Batches(data[:8]), **common)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
-# Precision, memory format
+# Precision, memory format, compilation
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
-def test_mixed_precision_trains_on_cpu(precision):
-    train, _ = shapes(128, 0)
-    history = gk.fit(mlp(), train, epochs=1, batch_size=32, lr=0.05, precision=precision, progress=False, log_every=1)
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_mixed_precision_trains_on_cpu(precision, kind, corpus, device):
+    model, data = (mlp(), shapes(128, 0)[0]) if kind == "cnn" else (tiny_gpt(), corpus[0])
+    history = gk.fit(model, data, epochs=1, batch_size=32, lr=0.01, max_steps=4, precision=precision, progress=False,
+                     log_every=1, device=device)  # fmt: skip
     assert history.precision == precision and all(math.isfinite(r["loss"]) for r in history.steps)
 
 
-def test_channels_last_gives_the_same_model():
+def test_tf32_on_a_cpu_is_refused_for_any_model(corpus, device):
+    with pytest.raises(ValueError, match="tf32"):
+        gk.fit(tiny_gpt(), corpus[0], batch_size=8, precision="tf32", progress=False, device=device)
+
+
+def test_channels_last_gives_the_same_model(device):
     train, _ = shapes(128, 0)
     torch.manual_seed(0)
     a = gk.models.fast_cnn(4)
     b = copy.deepcopy(a)
-    gk.fit(a, DeviceLoader(train, 32, shuffle=False), lr=0.05, progress=False)
-    gk.fit(b, DeviceLoader(train, 32, shuffle=False), lr=0.05, channels_last=True, progress=False)
+    gk.fit(a, DeviceLoader(train, 32, shuffle=False, device=device), lr=0.05, progress=False, device=device)
+    gk.fit(b, DeviceLoader(train, 32, shuffle=False, device=device), lr=0.05, channels_last=True, progress=False,
+           device=device)  # fmt: skip
     assert b[0][0].weight.is_contiguous(memory_format=torch.channels_last)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)
+
+
+def test_channels_last_on_tokens_says_it_does_nothing(corpus, device):
+    with pytest.warns(UserWarning, match="channels_last=True applies to 4-D image batches"):
+        gk.fit(tiny_gpt(), corpus[0], batch_size=8, max_steps=2, channels_last=True, progress=False, device=device)
+
+
+def test_compile_runs_dict_batches_and_sequence_models(corpus, device):
+    """torch.compile traces fit's step for any batch form (the aot_eager backend: the same graph capture
+    as the default, without the minutes of code generation a CPU would need)."""
+    history = gk.fit(CausalLM(), dict_batches(corpus[0], count=3), compile={"backend": "aot_eager"}, progress=False,
+                     log_every=1, device=device)  # fmt: skip
+    assert len(history.steps) == 3 and all(math.isfinite(row["loss"]) for row in history.steps)
+    plain = gk.fit(tiny_gpt(seed=4), corpus[0], batch_size=8, max_steps=3, progress=False, device=device)
+    model = tiny_gpt(seed=4)
+    compiled = gk.fit(model, corpus[0], batch_size=8, max_steps=3, compile={"backend": "aot_eager"}, progress=False,
+                      device=device)  # fmt: skip
+    assert math.isclose(compiled.losses[-1], plain.losses[-1], rel_tol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
 # Failing loudly
 
 
-def test_non_finite_loss_stops_with_the_step(small_data):
+def test_non_finite_loss_stops_with_the_step(small_data, device):
     train, _ = small_data
     calls = 0
 
@@ -154,16 +472,21 @@ def test_non_finite_loss_stops_with_the_step(small_data):
         return loss * float("nan") if calls == 7 else loss
 
     with pytest.raises(gk.NonFiniteLossError, match=r"between optimizer steps 5 and 8.*lower lr") as error:
-        gk.fit(mlp(), train, epochs=1, batch_size=32, lr=0.01, loss_fn=loss_that_breaks, progress=False, log_every=4)
+        gk.fit(mlp(), train, epochs=1, batch_size=32, lr=0.01, loss_fn=loss_that_breaks, progress=False, log_every=4,
+               device=device)  # fmt: skip
     assert "clip" in str(error.value)
 
 
-def test_diverging_lr_is_reported_not_silent(small_data):
+def test_diverging_lr_is_reported_not_silent(small_data, corpus, device):
     train, _ = small_data
     with pytest.raises(gk.NonFiniteLossError, match="loss became"):
         gk.fit(
-            mlp(), train, epochs=3, batch_size=32, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2
-        )
+            mlp(), train, epochs=3, batch_size=32, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2,
+            device=device,
+        )  # fmt: skip
+    with pytest.raises(gk.NonFiniteLossError, match="loss became"):
+        gk.fit(tiny_gpt(), corpus[0], batch_size=8, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2,
+               device=device)  # fmt: skip
 
 
 def _untouched(model, before):
@@ -184,55 +507,102 @@ def _untouched(model, before):
         (dict(schedule="cosine-ish"), "schedule='cosine-ish' is unknown"),
         (dict(optimizer="lion"), "optimizer='lion' is unknown"),
         (dict(clip=-1.0), "clip must be a positive"),
+        (dict(lr=0), "lr must be a positive, finite number"),
+        (dict(lr=float("nan")), "lr must be a positive, finite number"),
+        (dict(loss_fn="hinge"), "loss_fn='hinge' is unknown"),
+        (dict(metrics={"loss": lambda o, t: 0.0}), "metric name 'loss' cannot be a column"),
+        (dict(metrics={"f1": 3}), "metric 'f1' is a int, not a function"),
+        (dict(metrics=[len]), "metrics must be a dict"),
+        (dict(max_steps=0), "max_steps must be a positive integer"),
     ],
 )
 def test_bad_input_fails_before_any_work(small_data, kwargs, message):
     train, _ = small_data
     model = gk.models.fast_cnn(4)
     before = [p.detach().clone() for p in model.parameters()]
-    arguments = dict(epochs=1, batch_size=32, progress=False) | kwargs
-    with pytest.raises(ValueError, match=message):
+    arguments = dict(epochs=1, batch_size=32, progress=False, device="cpu") | kwargs
+    with pytest.raises((ValueError, TypeError), match=message):
         gk.fit(model, train, **arguments)
     assert _untouched(model, before)
 
 
-def test_labels_outside_the_models_classes(small_data):
+def test_labels_outside_the_models_classes(small_data, device):
     train, _ = small_data
     model = gk.models.fast_cnn(4, num_classes=5)  # the data has 10 classes
-    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.4, found 0\.\.9"):
-        gk.fit(model, train, batch_size=32, progress=False)
+    with pytest.raises(ValueError, match=r"targets must lie in 0\.\.4 \(the outputs have 5 classes\), found 0\.\.9"):
+        gk.fit(model, train, batch_size=32, progress=False, device=device)
 
 
-def test_empty_dataset_and_too_big_batch(small_data):
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("batch of a string", TypeError, r"cannot use a batch of the form str.*accepted forms are \(inputs, target\)"),
+        ("bare tensor batches", TypeError, r"cannot use a batch of the form tensor\(8, 4, 4\); the accepted forms"),
+        ("float target, no loss_fn", ValueError, r"cross-entropy needs integer class targets.*loss_fn='mse'"),
+        ("non-scalar loss", ValueError, r"the loss must be a scalar tensor, got \(8, 1\).*\.mean\(\)"),
+        ("dict batch, no loss", ValueError, r"batch has no target and the model returned no 'loss'"),
+        ("mse shapes that broadcast", ValueError, r"outputs of shape \(8, 1\) and targets of shape \(8,\) would only broadcast"),
+        ("cross-entropy shapes", ValueError, r"cannot match outputs of shape \(8, 1\) with targets of shape \(8, 3\)"),
+        ("a metric that fails", ZeroDivisionError, r"division by zero"),
+        ("model output of an unknown kind", TypeError, r"return a tensor, a tuple whose first element"),
+    ],
+)
+def test_bad_batches_and_losses_say_what_to_do(case, error, message, device):
+    features, target = torch.randn(16, 4), torch.randn(16, 1)
+    model, data, options = regressor(), [(features[:8], target[:8]), (features[8:], target[8:])], {}
+    if case == "batch of a string":
+        data = ["not a batch"]
+    elif case == "bare tensor batches":
+        data = [torch.randn(8, 4, 4)]
+    elif case == "non-scalar loss":
+        options = {"loss_fn": lambda outputs, target: (outputs - target) ** 2}
+    elif case == "dict batch, no loss":
+        data = [{"features": features[:8]}]
+        model.forward = lambda features, forward=model.forward: forward(features)
+    elif case == "mse shapes that broadcast":
+        data, options = [(features[:8], target[:8, 0])], {"loss_fn": F.mse_loss}
+    elif case == "cross-entropy shapes":
+        data = [(features[:8], torch.zeros(8, 3, dtype=torch.long))]
+    elif case == "a metric that fails":
+        options = {"loss_fn": "mse", "metrics": {"ratio": lambda outputs, target: 1 / 0}}
+    elif case == "model output of an unknown kind":
+        model.forward = lambda features: "not a tensor"
+    with pytest.raises(error, match=message):
+        gk.fit(model, data, max_steps=2, progress=False, device=device, **options)
+
+
+def test_empty_dataset_and_too_big_batch(small_data, device):
     train, _ = small_data
     with pytest.raises(ValueError, match="empty"):
-        gk.fit(gk.models.fast_cnn(4), train.subset(0), batch_size=32, progress=False)
+        gk.fit(gk.models.fast_cnn(4), train.subset(0), batch_size=32, progress=False, device=device)
     with pytest.raises(ValueError, match="no batch"):
-        gk.fit(gk.models.fast_cnn(4), train.subset(10), batch_size=32, progress=False)
+        gk.fit(gk.models.fast_cnn(4), train.subset(10), batch_size=32, progress=False, device=device)
     with pytest.raises(ValueError, match="empty"):
-        gk.fit(
-            gk.models.fast_cnn(4),
-            torch.utils.data.TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)),
-            batch_size=4,
-        )
+        gk.fit(gk.models.fast_cnn(4), TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)), batch_size=4,
+               device=device)  # fmt: skip
+    with pytest.raises(TypeError, match="expected a Dataset, a DataLoader"):
+        gk.fit(gk.models.fast_cnn(4), torch.zeros(4, 3, 32, 32), progress=False, device=device)
+    with pytest.raises(ValueError, match="batch_size applies to a Dataset"):
+        gk.fit(gk.models.fast_cnn(4), [(torch.zeros(2, 3, 32, 32), torch.zeros(2))], batch_size=2, device=device)
 
 
-def test_loader_and_batch_size_must_agree(small_data):
+def test_loader_and_batch_size_must_agree(small_data, device):
     train, _ = small_data
     with pytest.raises(ValueError, match="differs from the loader"):
-        gk.fit(gk.models.fast_cnn(4), DeviceLoader(train, 32), batch_size=64, progress=False)
+        gk.fit(gk.models.fast_cnn(4), DeviceLoader(train, 32, device=device), batch_size=64, progress=False,
+               device=device)  # fmt: skip
 
 
-def test_model_without_parameters(small_data):
+def test_model_without_parameters(small_data, device):
     train, _ = small_data
     with pytest.raises(ValueError, match="no parameters"):
-        gk.fit(nn.Flatten(), train, batch_size=32, progress=False)
+        gk.fit(nn.Flatten(), train, batch_size=32, progress=False, device=device)
 
 
-def test_generic_dataset_goes_through_a_dataloader():
+def test_generic_dataset_goes_through_a_dataloader(device):
     images = torch.randn(64, 3, 32, 32)
     labels = torch.randint(0, 10, (64,))
-    history = gk.fit(mlp(), torch.utils.data.TensorDataset(images, labels), batch_size=16, progress=False, log_every=1)
+    history = gk.fit(mlp(), TensorDataset(images, labels), batch_size=16, progress=False, log_every=1, device=device)
     assert len(history.steps) == 4
 
 
@@ -244,46 +614,55 @@ class Crash(Exception):
     pass
 
 
-def test_resume_after_a_crash_equals_an_uninterrupted_run(small_data, tmp_path):
-    train, _ = small_data
-    common = dict(epochs=2, batch_size=64, lr=0.05, progress=False, seed=7)
-    torch.manual_seed(0)
-    straight = gk.models.fast_cnn(4)
-    crashed = copy.deepcopy(straight)
-    resumed = copy.deepcopy(straight)
-    gk.fit(straight, train, **common)
+def crash_at(call: int, loss_fn):
     calls = 0
 
-    def crash_in_epoch_two(logits, labels):
+    def crashing(*args):
         nonlocal calls
         calls += 1
-        if calls == 10:  # epoch 1 has 8 batches
+        if calls == call:
             raise Crash
-        return nn.functional.cross_entropy(logits, labels)
+        return loss_fn(*args)
 
+    return crashing
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_resume_after_a_crash_equals_an_uninterrupted_run(kind, small_data, corpus, tmp_path, device):
+    if kind == "cnn":
+        torch.manual_seed(0)
+        data, options = small_data[0], dict(batch_size=64, lr=0.05)
+        straight, loss_fn = gk.models.fast_cnn(4), nn.functional.cross_entropy  # epoch 1 has 8 batches
+    else:
+        data, options = corpus[0], dict(batch_size=64, lr=3e-3, optimizer="adamw")
+        straight, loss_fn = tiny_gpt(), gk.step.cross_entropy  # epoch 1 has 2,400 // 16 // 64 = 2 batches
+    crashed, resumed = copy.deepcopy(straight), copy.deepcopy(straight)
+    common = dict(epochs=2, progress=False, seed=7, device=device, **options)
+    gk.fit(straight, data, loss_fn=loss_fn, **common)
     with pytest.raises(Crash):
-        gk.fit(crashed, train, **common, loss_fn=crash_in_epoch_two, checkpoint_dir=tmp_path)
-    history = gk.fit(resumed, train, **common, checkpoint_dir=tmp_path)  # picks up at epoch 2
+        gk.fit(crashed, data, **common, loss_fn=crash_at(10 if kind == "cnn" else 3, loss_fn), checkpoint_dir=tmp_path)
+    history = gk.fit(resumed, data, **common, loss_fn=loss_fn, checkpoint_dir=tmp_path)  # picks up at epoch 2
     assert [row["epoch"] for row in history.epochs] == [1, 2]
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b)
 
 
-def test_corrupt_or_mismatched_checkpoint_is_an_error(small_data, tmp_path):
+def test_corrupt_or_mismatched_checkpoint_is_an_error(small_data, tmp_path, device):
     train, _ = small_data
-    gk.fit(gk.models.fast_cnn(4), train, epochs=1, batch_size=64, progress=False, checkpoint_dir=tmp_path)
+    common = dict(progress=False, checkpoint_dir=tmp_path, device=device)
+    gk.fit(gk.models.fast_cnn(4), train, epochs=1, batch_size=64, **common)
     with pytest.raises(RuntimeError, match="cannot resume"):
-        gk.fit(gk.models.fast_cnn(8), train, epochs=2, batch_size=64, progress=False, checkpoint_dir=tmp_path)
+        gk.fit(gk.models.fast_cnn(8), train, epochs=2, batch_size=64, **common)
     with pytest.raises(RuntimeError, match="resume with the same epochs"):
-        gk.fit(gk.models.fast_cnn(4), train, epochs=3, batch_size=32, progress=False, checkpoint_dir=tmp_path)
+        gk.fit(gk.models.fast_cnn(4), train, epochs=3, batch_size=32, **common)
     (tmp_path / "last.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(RuntimeError, match="cannot resume"):
-        gk.fit(gk.models.fast_cnn(4), train, epochs=2, batch_size=64, progress=False, checkpoint_dir=tmp_path)
+        gk.fit(gk.models.fast_cnn(4), train, epochs=2, batch_size=64, **common)
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "state.pt"
-    gk.train.save_atomic({"value": 1}, path)
+    gk.files.save_atomic({"value": 1}, path)
 
     def broken_save(obj, file):
         file.write(b"half")
@@ -291,7 +670,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        gk.train.save_atomic({"value": 2}, path)
+        gk.files.save_atomic({"value": 2}, path)
     monkeypatch.undo()
     assert torch.load(path)["value"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary file left behind
@@ -300,31 +679,24 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
 # ---------------------------------------------------------------------------------------------
 # CUDA paths (skipped without a GPU)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-
-@cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16-mixed", "fp16-mixed"])
-def test_fit_on_cuda_every_precision(precision):
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_fit_on_cuda_every_precision(precision, kind, corpus):
     if precision in ("tf32", "bf16-mixed") and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("needs compute capability 8.0")
-    train, test = shapes(1024, 256)
-    history = gk.fit(
-        gk.models.fast_cnn(16),
-        train,
-        epochs=2,
-        batch_size=128,
-        lr=0.2,
-        precision=precision,
-        device="cuda",
-        eval_data=test,
-        progress=False,
-    )
-    assert history.peak_memory > 0 and history.final_eval_accuracy > 0.2
+    if kind == "cnn":
+        (train, test), model, options = shapes(1024, 256), gk.models.fast_cnn(16), dict(batch_size=128, lr=0.2)
+    else:
+        (train, test), model, options = corpus, tiny_gpt(), dict(batch_size=32, lr=3e-3, optimizer="adamw")
+    history = gk.fit(model, train, epochs=2, precision=precision, device="cuda", eval_data=test, progress=False,
+                     **options)  # fmt: skip
+    assert history.peak_memory > 0 and history.final_eval_accuracy > (0.2 if kind == "cnn" else 0.05)
     assert torch.get_float32_matmul_precision() == "highest"  # tf32 flags restored after fit
 
 
-@cuda
+@pytest.mark.gpu
 def test_device_loader_on_cuda_keeps_data_on_the_gpu():
     train, _ = shapes(256, 0)
     loader = DeviceLoader(train, 64, augment=True, device="cuda")
@@ -332,18 +704,13 @@ def test_device_loader_on_cuda_keeps_data_on_the_gpu():
     assert loader.images.is_cuda and images.is_cuda and labels.is_cuda
 
 
+@pytest.mark.gpu
+def test_a_cpu_batch_is_moved_to_the_gpu_for_every_form(corpus):
+    history = gk.fit(CausalLM(), dict_batches(corpus[0], count=2), progress=False, device="cuda")
+    assert len(history.epochs) == 1
+
+
 def test_image_dataset_subset_keeps_normalisation(small_data):
     train, _ = small_data
     part = train.subset(10)
     assert isinstance(part, ImageDataset) and len(part) == 10 and torch.equal(part.mean, train.mean)
-
-
-def test_leftover_micro_batches_do_not_leak_into_the_next_step():
-    """10 batches with accumulate=4 make 2 steps per epoch; batches 9 and 10 must not run backward."""
-    train, _ = shapes(160, 0)
-    models = [mlp(seed=5), mlp(seed=5)]
-    common = dict(epochs=2, lr=0.05, schedule="constant", warmup=0, progress=False)
-    gk.fit(models[0], DeviceLoader(train, 16, shuffle=False), accumulate=4, **common)
-    gk.fit(models[1], DeviceLoader(train.subset(128), 16, shuffle=False), accumulate=4, **common)
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        torch.testing.assert_close(a, b)

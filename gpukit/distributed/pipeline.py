@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .models import FastCNN
+from ..models import FastCNN
 
 _HEADER = 8  # int64 slots that carry an activation's shape from stage 0 to stage 1
 

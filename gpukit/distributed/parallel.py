@@ -1,29 +1,9 @@
-"""Training on several processes: setup inside a worker, data parallelism, sharded data,
-collectives, and sharded (FSDP2) data parallelism.
-
-One worker function runs everywhere: under `launch` (a notebook or a script), under torchrun on
-one or many machines, and in a cluster job, because `setup()` reads everything from the
-environment variables that all of them set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT):
-
-    def train():
-        worker = gk.distributed.setup()     # rank, world_size, device; one GPU per process
-        model = gk.models.fast_cnn(16)
-        history = gk.fit(model, train_set, batch_size=64)  # DDP, each rank its shard of the data
-        gk.distributed.cleanup()
-        return history.summary()
-
-    results = gk.distributed.launch(train)  # one result per rank
-
-`gk.fit` notices the process group and wraps the model in DistributedDataParallel, shards the
-data, skips the gradient all-reduce on accumulation micro-batches, averages the logged metrics
-over ranks, shows progress and writes checkpoints on rank 0 only.
-"""
+"""Training on several processes: setup inside a worker, data parallelism (DDP), sharded data,
+collectives, and sharded data parallelism (FSDP2). See the package docstring for the whole story."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import warnings
 from collections.abc import Iterator
@@ -34,14 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 
-from .launch import WorkerError, launch
-
-__all__ = [
-    "COMPRESSIONS", "Worker", "WorkerError", "average_parameters", "barrier", "cleanup", "data_parallel",
-    "default_device", "is_main", "is_sharded", "launch", "mean_over_ranks", "no_sync", "prepare", "print0",
-    "rank", "setup", "shard", "sharded_data_parallel", "sharded_loader", "state_bytes", "world_size",
-]  # fmt: skip
+from ..data import DeviceLoader, ImageDataset, TextLoader, TokenDataset
+from ..memory.checkpointing import find_blocks
 
 DEFAULT_TIMEOUT_SECONDS = 300.0  # a rank waiting longer than this on a collective raises instead of hanging
 COMPRESSIONS = ("fp16", "bf16")  # DDP gradient compression hooks: all-reduce half the bytes
@@ -141,7 +117,7 @@ def _warn_if_restarts_may_fail() -> None:
 def _cuda_available(in_job: bool) -> bool:
     if in_job:
         return torch.cuda.is_available()  # a worker process may initialise CUDA
-    from .env import detect
+    from ..env import detect
 
     return detect().device == "cuda"  # asks NVML: a notebook must stay able to launch workers
 
@@ -309,46 +285,36 @@ def _fsdp_no_sync(model) -> Iterator[None]:
 
 
 def shard(loader):
-    """This rank's part of a loader's data: a DeviceLoader gets rank and world_size (every rank
-    draws the same permutation per epoch and takes an interleaved, equal share)."""
-    from torch.utils.data import DataLoader, DistributedSampler
+    """This rank's part of a loader's data.
 
-    from .data import DeviceLoader
-
+    A device-resident loader (DeviceLoader, TextLoader) gets its rank's share through
+    `for_rank(rank, world_size)`: every rank draws the same permutation per epoch and takes an
+    interleaved, equal share. A DataLoader must already read through a DistributedSampler.
+    """
     count = world_size()
     if count == 1:
         return loader
-    if isinstance(loader, DeviceLoader):
-        if loader.world_size == count:
-            return loader
-        if loader.world_size != 1:
-            raise ValueError(f"the DeviceLoader is sharded for {loader.world_size} ranks but the job has {count}.")
-        sharded = copy.copy(loader)  # shares the data already on the device; only the shard differs
-        sharded.rank, sharded.world_size = rank(), count
-        sharded.shard_size = len(loader.dataset) // count  # as DeviceLoader.__init__ computes it
-        return sharded
-    if isinstance(loader, DataLoader):
-        sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
-        if not isinstance(sampler, DistributedSampler):
-            raise ValueError(
-                "in a distributed job each rank must read its own part of the data: pass the Dataset (fit shards "
-                "it), or a DataLoader from gk.distributed.sharded_loader() (a DistributedSampler)."
-            )
+    if hasattr(loader, "for_rank"):
+        return loader.for_rank(rank(), count)
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", getattr(loader, "sampler", None))
+    if not isinstance(sampler, DistributedSampler):
+        raise ValueError(
+            "in a distributed job each rank must read its own part of the data: pass the Dataset (fit shards it), "
+            "or a DataLoader from gk.distributed.sharded_loader() (a DistributedSampler)."
+        )
     return loader
 
 
 def sharded_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, **options):
-    """This rank's loader: a sharded DeviceLoader for an ImageDataset, else a DataLoader with a
-    DistributedSampler. Both reshuffle per epoch consistently across ranks (fit calls set_epoch)."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from .data import DeviceLoader, ImageDataset
-
-    if isinstance(dataset, ImageDataset):
-        return DeviceLoader(
-            dataset, batch_size, shuffle=shuffle, seed=seed, rank=rank(), world_size=world_size(),
-            device=options.pop("device", default_device()), **options,
-        )  # fmt: skip
+    """This rank's loader: a sharded device-resident loader for an ImageDataset or TokenDataset,
+    else a DataLoader with a DistributedSampler. All reshuffle per epoch consistently across ranks
+    (fit calls set_epoch)."""
+    if isinstance(dataset, (ImageDataset, TokenDataset)):
+        loader = DeviceLoader if isinstance(dataset, ImageDataset) else TextLoader
+        device = options.pop("device", default_device())
+        return loader(dataset, batch_size, shuffle=shuffle, seed=seed, device=device, **options).for_rank(
+            rank(), world_size()
+        )
     sampler = DistributedSampler(dataset, world_size(), rank(), shuffle=shuffle, seed=seed, drop_last=shuffle)
     return DataLoader(dataset, batch_size, sampler=sampler, drop_last=shuffle, **options)
 
@@ -371,9 +337,11 @@ def sharded_data_parallel(model: nn.Module, *, reshard_after_forward: bool = Tru
 
     Each rank keeps 1/world_size of every parameter. Before a block runs, its full parameters
     are all-gathered; after backward, gradients are reduce-scattered so each rank keeps the
-    gradient of its own shard, and the optimizer updates only that shard. Each direct child
-    with parameters becomes one unit (gathered and freed on its own), then the root. Build the
-    optimizer after this call: the parameters become DTensors. Runs on CPU over gloo too.
+    gradient of its own shard, and the optimizer updates only that shard. Each block (the
+    children of the model's outermost nn.Sequential or nn.ModuleList: a transformer's layers,
+    a CNN's stages; see gk.checkpointing.find_blocks) becomes one unit, gathered and freed on
+    its own; the root holds the rest, tied weights included. Build the optimizer after this
+    call: the parameters become DTensors. Runs on CPU over gloo too.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -382,9 +350,8 @@ def sharded_data_parallel(model: nn.Module, *, reshard_after_forward: bool = Tru
         raise RuntimeError("sharded_data_parallel needs a process group: call gk.distributed.setup() first.")
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world_size(),))
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for _, block, _ in find_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 

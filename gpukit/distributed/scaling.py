@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import distributed
-from .bench import compare, timeit
+from . import parallel
+from ..bench import compare, timeit
+from ..precision import get_precision
+from ..step import TrainStep
 
 
 def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
@@ -36,15 +38,15 @@ def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
 
 def _slowest(seconds: float, group: dist.ProcessGroup | None = None) -> float:
     """The largest value over ranks (a step is as slow as its slowest rank)."""
-    value = torch.tensor([seconds], dtype=torch.float64, device=distributed.default_device() or "cpu")
+    value = torch.tensor([seconds], dtype=torch.float64, device=parallel.default_device() or "cpu")
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.item())
 
 
 def allreduce_benchmark(sizes: Sequence[int], *, repeats: int = 10, warmup: int = 3) -> list[dict]:
     """all_reduce of float32 messages of each size (bytes): median seconds and bandwidths (GB/s)."""
-    device = distributed.default_device() or torch.device("cpu")
-    count = distributed.world_size()
+    device = parallel.default_device() or torch.device("cpu")
+    count = parallel.world_size()
     rows = []
     for size in sizes:
         message = torch.zeros(max(size // 4, 1), device=device)  # zeros: sums stay finite however often repeated
@@ -52,7 +54,7 @@ def allreduce_benchmark(sizes: Sequence[int], *, repeats: int = 10, warmup: int 
         def once(message=message):
             dist.all_reduce(message)
 
-        distributed.barrier()  # start together, or the first call measures waiting for the others
+        parallel.barrier()  # start together, or the first call measures waiting for the others
         seconds = _slowest(timeit(once, device=device, warmup=warmup, repeats=repeats).median)
         algorithm = message.nbytes / seconds
         rows.append({
@@ -92,7 +94,7 @@ def _synthetic_batch(
     batch_size: int, device: torch.device, of_rank: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random 32×32 images and labels, different on each rank (or those of rank `of_rank`)."""
-    generator = torch.Generator().manual_seed(1000 + (distributed.rank() if of_rank is None else of_rank))
+    generator = torch.Generator().manual_seed(1000 + (parallel.rank() if of_rank is None else of_rank))
     images = torch.randn(batch_size, 3, 32, 32, generator=generator).to(device)
     labels = torch.randint(0, 10, (batch_size,), generator=generator).to(device)
     return images, labels
@@ -101,13 +103,16 @@ def _synthetic_batch(
 def _step_function(
     model: nn.Module, optimizer: torch.optim.Optimizer, images, labels, no_sync: bool = False
 ) -> Callable:
-    def step():
-        optimizer.zero_grad(set_to_none=True)  # zeroed first: after a step the gradients stay to be measured
-        with distributed.no_sync(model, no_sync):
-            nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
+    """fit's training step (gpukit.step.TrainStep) on one batch, in fp32.
 
-    return step
+    Gradients are zeroed in place, not freed, so that they stay to be counted after a step."""
+    step = TrainStep(model, optimizer, get_precision("fp32", images.device), set_to_none=False)
+
+    def run():
+        with parallel.no_sync(model, no_sync):
+            step((images, labels))
+
+    return run
 
 
 def _optimizer(parameters) -> torch.optim.Optimizer:
@@ -133,19 +138,19 @@ def throughput_by_workers(
     training, the baseline) while the others wait. Efficiency = throughput(n) / (n · throughput(1)):
     1.0 means n workers do n times the work of one.
     """
-    device = distributed.default_device() or torch.device("cpu")
-    world_sizes = list(world_sizes or range(1, distributed.world_size() + 1))
+    device = parallel.default_device() or torch.device("cpu")
+    world_sizes = list(world_sizes or range(1, parallel.world_size() + 1))
     images, labels = _synthetic_batch(batch_size, device)
     rows = []
     for count in world_sizes:
         # new_group must be called by every rank, in the same order, members or not.
-        group = dist.new_group(list(range(count))) if 1 < count < distributed.world_size() else None
+        group = dist.new_group(list(range(count))) if 1 < count < parallel.world_size() else None
         seconds = 0.0
-        if distributed.rank() < count:
+        if parallel.rank() < count:
             torch.manual_seed(0)
             model = make_model().to(device)
             if count > 1:
-                model = distributed.data_parallel(model, process_group=group)
+                model = parallel.data_parallel(model, process_group=group)
             step = _step_function(model, _optimizer(model.parameters()), images, labels)
             seconds = timeit(step, device=device, warmup=warmup, repeats=steps).median
         seconds = _slowest(seconds)  # idle ranks contribute 0
@@ -173,15 +178,15 @@ def ddp_variants(
     Rows: variant, step_time (s), images_per_second (all ranks), wire_bytes (per rank and step,
     2(n−1)/n × the gradient bytes, halved by 16-bit compression, 0 without all-reduce).
     """
-    device = distributed.default_device() or torch.device("cpu")
+    device = parallel.default_device() or torch.device("cpu")
     images, labels = _synthetic_batch(batch_size, device)
-    count = distributed.world_size()
+    count = parallel.world_size()
     steps_by_name, wire = {}, {}
     for name, options in variants.items():
         options = dict(options)
         skip = options.pop("no_sync", False)
         torch.manual_seed(0)
-        model = distributed.data_parallel(make_model().to(device), **options)
+        model = parallel.data_parallel(make_model().to(device), **options)
         steps_by_name[name] = _step_function(model, _optimizer(model.parameters()), images, labels, no_sync=skip)
         wire[name] = 0 if skip else gradient_bytes(model) * 2 * (count - 1) / count
         if options.get("compression"):
@@ -218,10 +223,10 @@ def compare_parallelism(
     """
     from .pipeline import TwoStagePipeline
 
-    device = distributed.default_device() or torch.device("cpu")
-    count = distributed.world_size()
+    device = parallel.default_device() or torch.device("cpu")
+    count = parallel.world_size()
     if count < 2:
-        raise RuntimeError("compare_parallelism needs at least 2 ranks: start it with gk.distributed.launch(fn, 2).")
+        raise RuntimeError("compare_parallelism needs at least 2 ranks: start it with gk.parallel.launch(fn, 2).")
     images, labels = _synthetic_batch(batch_size, device)
     rows = []
 
@@ -242,28 +247,28 @@ def compare_parallelism(
         })  # fmt: skip
 
     torch.manual_seed(0)
-    model = distributed.data_parallel(make_model().to(device))
+    model = parallel.data_parallel(make_model().to(device))
     optimizer = _optimizer(model.parameters())
     measure(
         "DDP",
         count,
         _step_function(model, optimizer, images, labels),
-        partial(distributed.state_bytes, model, optimizer),
+        partial(parallel.state_bytes, model, optimizer),
     )
 
     torch.manual_seed(0)
-    sharded = distributed.sharded_data_parallel(make_model().to(device))
+    sharded = parallel.sharded_data_parallel(make_model().to(device))
     optimizer = _optimizer(sharded.parameters())
     measure(
         "FSDP2",
         count,
         _step_function(sharded, optimizer, images, labels),
-        partial(distributed.state_bytes, sharded, optimizer),
+        partial(parallel.state_bytes, sharded, optimizer),
     )
 
     torch.manual_seed(0)
     step = holder = None
-    if distributed.rank() < 2:
+    if parallel.rank() < 2:
         pipeline = TwoStagePipeline(make_model(), micro_batches=micro_batches, device=device)
         optimizer = _optimizer(pipeline.parameters())
         both_images, both_labels = _synthetic_batch(2 * batch_size, device, of_rank=0)  # both stages: one batch
@@ -274,7 +279,7 @@ def compare_parallelism(
             optimizer.step()
 
         def holder():
-            return distributed.state_bytes(pipeline.stage, optimizer)
+            return parallel.state_bytes(pipeline.stage, optimizer)
 
     measure(f"pipeline ({micro_batches} micro-batches)", 2, step, holder)
     return rows

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .report import format_bytes
+from ..report import format_bytes
 
 # ---------------------------------------------------------------------------------------------
 # Out-of-memory help for fit()

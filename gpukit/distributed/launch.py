@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ..files import write_atomic  # the parent never reads half a file
+
 BACKENDS = ("nccl", "gloo")
 START_METHODS = ("spawn", "fork")
 HOST = "127.0.0.1"  # launch starts every worker on this machine
@@ -128,7 +130,7 @@ def launch(
 
 
 def _check_backend_and_nprocs(backend: str | None, nprocs: int | None) -> tuple[str, int]:
-    from .env import detect  # asks NVML, never the CUDA runtime: the parent stays CUDA-free
+    from ..env import detect  # asks NVML, never the CUDA runtime: the parent stays CUDA-free
 
     gpu_count = detect().gpu_count
     backend = backend if backend is not None else ("nccl" if gpu_count else "gloo")
@@ -222,7 +224,7 @@ def _worker_main(local_rank: int, config: _Config) -> None:
         raise  # torch.multiprocessing records it and exits with code 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # the function forgot gk.distributed.cleanup()
-    _write_atomic(run_dir / f"rank{local_rank}.result", data)
+    write_atomic(run_dir / f"rank{local_rank}.result", data)
 
 
 def _send_output_to(path: Path) -> None:
@@ -268,13 +270,7 @@ def _write_error(run_dir: Path, rank: int, error: Exception) -> None:
         "rank": rank, "time": time.time(), "type": type(error).__name__, "message": str(error),
         "traceback": traceback.format_exc(), "exception": pickled,
     }  # fmt: skip
-    _write_atomic(run_dir / f"rank{rank}.error", json.dumps(report).encode())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)  # the parent never reads half a file
+    write_atomic(run_dir / f"rank{rank}.error", json.dumps(report).encode())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""Training on several processes: launch from a notebook, setup inside a worker, data
+parallelism (DDP), sharded data, collectives, FSDP2, a two-stage pipeline, and what scaling costs.
+
+launch.py      `launch(fn, nprocs)`: run a function in several processes, notebook-safe
+parallel.py    setup/cleanup, DDP and FSDP2, sharded loaders, collectives for metrics
+pipeline.py    a model split over two ranks, micro-batches flowing between them
+scaling.py     measured: all-reduce bandwidth, throughput by workers, DDP variants
+costmodel.py   predicted: a ring all-reduce cost model against published scaling figures
+
+One worker function runs everywhere: under `launch` (a notebook or a script), under torchrun on
+one or many machines, and in a cluster job, because `setup()` reads everything from the
+environment variables that all of them set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT):
+
+    def train():
+        worker = gk.distributed.setup()     # rank, world_size, device; one GPU per process
+        model = gk.models.fast_cnn(16)
+        history = gk.fit(model, train_set, batch_size=64)  # DDP, each rank its shard of the data
+        gk.distributed.cleanup()
+        return history.summary()
+
+    results = gk.distributed.launch(train)  # one result per rank
+
+`gk.fit` notices the process group and wraps the model in DistributedDataParallel, shards the
+data, skips the gradient all-reduce on accumulation micro-batches, averages the logged metrics
+over ranks, shows progress and writes checkpoints on rank 0 only.
+"""
+
+from . import costmodel, pipeline, scaling
+from .launch import WorkerError, launch
+from .parallel import (
+    COMPRESSIONS,
+    DEFAULT_TIMEOUT_SECONDS,
+    Worker,
+    average_parameters,
+    barrier,
+    check_same,
+    cleanup,
+    data_parallel,
+    default_device,
+    is_main,
+    is_sharded,
+    mean_over_ranks,
+    no_sync,
+    prepare,
+    print0,
+    rank,
+    setup,
+    shard,
+    sharded_data_parallel,
+    sharded_loader,
+    state_bytes,
+    sum_over_ranks,
+    world_size,
+)
+
+__all__ = [
+    "COMPRESSIONS", "DEFAULT_TIMEOUT_SECONDS", "Worker", "WorkerError", "average_parameters", "barrier",
+    "check_same", "cleanup", "costmodel", "data_parallel", "default_device", "is_main", "is_sharded", "launch",
+    "mean_over_ranks", "no_sync", "pipeline", "prepare", "print0", "rank", "scaling", "setup", "shard",
+    "sharded_data_parallel", "sharded_loader", "state_bytes", "sum_over_ranks", "world_size",
+]  # fmt: skip

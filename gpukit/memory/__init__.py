@@ -1,0 +1,37 @@
+"""Training memory: measure it, break it down, predict it, find the batch that fits, and fix it.
+
+measure()          peak memory of a block of code (measure.py).
+breakdown()        one training step measured: parameters, gradients, optimizer state, saved
+                   activations, the rest, the peak (measure.py).
+estimate()         the same fields predicted with fake tensors: nothing runs on the device (estimate.py).
+max_batch_size()   the largest batch under a memory budget; accumulation keeps a global batch (plan.py).
+table(), plot_breakdowns(), plot_timeline()   what the lessons draw and print (plots.py).
+The CUDA allocator: out-of-memory help, free_memory, limit_gpu_memory, expandable_segments,
+record_snapshot (allocator.py); activation checkpointing (checkpointing.py).
+
+Every function takes an example batch of any form fit accepts (see gpukit.step), or a tensor of
+inputs with optional labels. Every byte count is of tensor storages, each counted once.
+"""
+
+from . import checkpointing
+from .allocator import (
+    Snapshot,
+    TrainingOutOfMemoryError,
+    expandable_segments,
+    free_memory,
+    limit_gpu_memory,
+    out_of_memory_error,
+    record_snapshot,
+    watch_out_of_memory,
+)
+from .estimate import CUDA_BLOCK, estimate
+from .measure import Measurement, MemoryBreakdown, breakdown, measure
+from .plan import BatchSizePlan, max_batch_size
+from .plots import plot_breakdowns, plot_timeline, table
+
+__all__ = [
+    "CUDA_BLOCK", "BatchSizePlan", "Measurement", "MemoryBreakdown", "Snapshot", "TrainingOutOfMemoryError",
+    "breakdown", "checkpointing", "estimate", "expandable_segments", "free_memory", "limit_gpu_memory",
+    "max_batch_size", "measure", "out_of_memory_error", "plot_breakdowns", "plot_timeline", "record_snapshot",
+    "table", "watch_out_of_memory",
+]  # fmt: skip

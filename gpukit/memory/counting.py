@@ -1,0 +1,159 @@
+"""Counting tensor bytes: storages alive operator by operator, and bytes saved for backward.
+
+Every byte count is of tensor storages, each storage counted once however many views use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+def storage_of(tensor) -> torch.UntypedStorage | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
+        return None
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (nested, some subclasses)
+        return None
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    sizes = {}
+    for tensor in tensors:
+        storage = storage_of(tensor)
+        if storage is not None:
+            sizes[storage._cdata] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+class LiveTensors(TorchDispatchMode):
+    """Bytes of tensor storages alive, updated after every operator.
+
+    A new storage is counted when an operator first returns it (views share their base's
+    storage) and uncounted when it is freed (a weak reference's callback). Storages that
+    existed before are counted only if passed to `add`. `phase` labels the samples.
+    """
+
+    def __init__(self, device_type: str, rounding: int = 1):
+        super().__init__()
+        self.device_type = device_type
+        self.rounding = rounding
+        self.live: dict[int, tuple[weakref.ref, int]] = {}  # storage id -> (weak reference, bytes)
+        self.bytes = 0
+        self.peak = 0
+        self.peak_phase = "start"
+        self.phase = "start"
+        self.samples: list[int] = []  # bytes alive after each operator
+        self.phase_starts: list[tuple[str, int]] = []  # (phase, index of its first sample)
+
+    def add(self, tensors) -> None:
+        for tensor in tensors:
+            self._count(tensor)
+        self._sample()
+
+    def start_phase(self, name: str) -> None:
+        self.phase = name
+        self.phase_starts.append((name, len(self.samples)))
+
+    def _count(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+            return
+        storage = storage_of(tensor)
+        if storage is None:
+            return
+        key = storage._cdata
+        size = -(-storage.nbytes() // self.rounding) * self.rounding
+        known = self.live.get(key)
+        if known is not None:  # in place, or a view; an out= argument may have been resized
+            self.bytes += size - known[1]
+            self.live[key] = (known[0], size)
+            return
+        self.bytes += size
+        self.live[key] = (weakref.ref(storage, partial(self._freed, key)), size)
+
+    def _freed(self, key: int, _reference) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[1]
+
+    def _sample(self) -> None:
+        self.samples.append(self.bytes)
+        if self.bytes > self.peak:
+            self.peak, self.peak_phase = self.bytes, self.phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # An output that shares an input's storage (a view, an in-place result) allocated nothing.
+        inputs = {storage._cdata for storage in map(storage_of, tree_leaves((args, kwargs))) if storage is not None}
+        for tensor in tree_leaves(out):
+            storage = storage_of(tensor)
+            if storage is not None and (storage._cdata not in inputs or storage._cdata in self.live):
+                self._count(tensor)
+        self._sample()
+        return out
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        self.live.clear()  # drops the weak references: no callbacks after the measurement
+        return result
+
+
+class SavedTensors:
+    """Bytes that autograd saves for backward, from saved-tensor hooks, per module.
+
+    Each storage counts once; parameters and buffers (the `exclude` storages) are not
+    activations and are left out. Inside a non-reentrant checkpoint region only the region's
+    inputs are saved, so a checkpointed model is counted as it really is.
+    """
+
+    def __init__(self, model: nn.Module, exclude: set[int]):
+        self.model = model
+        self.exclude = exclude
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self.by_module: Counter = Counter()
+        self.stack: list[str] = []
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = storage_of(tensor)
+        if storage is not None and storage._cdata not in self.seen and storage._cdata not in self.exclude:
+            self.seen.add(storage._cdata)
+            self.bytes += storage.nbytes()
+            self.by_module[self.stack[-1] if self.stack else "(outside modules)"] += storage.nbytes()
+        return tensor
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        def enter(name: str) -> Callable:
+            def hook(*_) -> None:  # a hook that returns something would replace the module's input
+                self.stack.append(name or "(model)")
+
+            return hook
+
+        def leave(*_) -> None:
+            if self.stack:
+                self.stack.pop()
+
+        handles = []
+        for name, module in self.model.named_modules():
+            handles.append(module.register_forward_pre_hook(enter(name)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()

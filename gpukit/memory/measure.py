@@ -1,0 +1,391 @@
+"""Measure training memory: the peak of a block of code, and one training step broken down.
+
+measure()     peak memory of a block of code. On CUDA, the caching allocator's statistics
+              (allocated, reserved, and the cache between them); elsewhere, the bytes of
+              tensor storages alive, tracked operator by operator.
+breakdown()   one training step measured: parameters, gradients, optimizer state,
+              activations saved for backward (saved-tensor hooks), the rest, the peak.
+
+The step is gpukit.step's TrainStep, the one fit runs, on a batch of any form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..env import resolve_device
+from ..optim import make_optimizer
+from ..precision import Precision, get_precision
+from ..report import Table, format_bytes
+from ..step import Batch, Loss, TrainStep, split_batch, unpack_outputs
+from .counting import LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
+
+
+# ---------------------------------------------------------------------------------------------
+# Measure
+
+
+@dataclass
+class Measurement:
+    """Peak memory of the code inside `measure()`, in bytes.
+
+    peak, end:        bytes above the start, at the peak and when the block ended.
+    peak_allocated:   CUDA only: torch.cuda.max_memory_allocated, absolute.
+    peak_reserved:    CUDA only: torch.cuda.max_memory_reserved, absolute: what the caching
+                      allocator held from the driver, including its cache.
+    """
+
+    device: str
+    source: str
+    peak: int = 0
+    end: int = 0
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+
+    @property
+    def allocator_cache(self) -> int | None:
+        """Reserved but not allocated at the peaks: memory the allocator keeps for reuse."""
+        if self.peak_reserved is None or self.peak_allocated is None:
+            return None
+        return self.peak_reserved - self.peak_allocated
+
+    def __str__(self) -> str:
+        text = f"peak {format_bytes(self.peak)} above the start on {self.device} ({self.source})"
+        if self.peak_reserved is not None:
+            text += f"; peak allocated {format_bytes(self.peak_allocated)}, reserved {format_bytes(self.peak_reserved)}"
+        return text
+
+
+_TRACKED = "tensor storages alive, tracked per operator"
+_ALLOCATOR = "CUDA caching allocator statistics"
+
+
+@contextlib.contextmanager
+def measure(device: str | torch.device | None = None) -> Iterator[Measurement]:
+    """Measure the peak memory of the code inside, on `device` (default: the best available).
+
+    On CUDA this reads the caching allocator's peak statistics (after synchronising). On a
+    CPU there are no such statistics: it counts the bytes of tensor storages alive after every
+    operator, for tensors created inside the block; memory that C libraries use inside an
+    operator is not included. The Measurement is filled in when the block ends.
+
+        with gk.memory.measure("cuda") as used:
+            loss = model(images).sum(); loss.backward()
+        print(used.peak)
+    """
+    device = resolve_device(device)
+    if device.type == "cuda":
+        result = Measurement(str(device), _ALLOCATOR)
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            yield result
+        finally:
+            torch.cuda.synchronize(device)
+            result.peak_allocated = torch.cuda.max_memory_allocated(device)
+            result.peak_reserved = torch.cuda.max_memory_reserved(device)
+            result.peak = result.peak_allocated - start
+            result.end = torch.cuda.memory_allocated(device) - start
+        return
+    result = Measurement(str(device), f"{_TRACKED} (tensors created inside the block)")
+    tracker = LiveTensors(device.type)
+    try:
+        with tracker:
+            yield result
+    finally:
+        result.peak, result.end = tracker.peak, tracker.bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Breakdown of one training step
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes of one training step, measured (`breakdown`) or predicted (`estimate`).
+
+    params, buffers, grads, optimizer_state:  what the model and optimizer keep.
+    activations:  bytes saved for backward in the forward pass (autocast's low-precision
+                  weight copies included), each storage once.
+    total:        the peak during the step; `other` is what the parts above do not explain
+                  (temporaries, the input batch, cuDNN/cuBLAS workspaces on a GPU). It is
+                  negative when gradients and saved activations never all lived at once.
+    allocator_cache: CUDA only: reserved minus allocated at the peak.
+    layers:       saved bytes per module (the innermost module running when it was saved).
+    timeline:     bytes of tensor storages alive after each operator; `phases` gives the
+                  index where each phase (forward, backward, optimizer step) starts.
+    """
+
+    batch_size: int
+    device: str
+    precision: str
+    optimizer: str
+    params: int
+    buffers: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    total: int
+    source: str
+    allocator_cache: int | None = None
+    peak_phase: str | None = None
+    layers: dict[str, int] = field(default_factory=dict)
+    timeline: list[int] = field(default_factory=list, repr=False)
+    phases: list[tuple[str, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def other(self) -> int:
+        return self.total - (self.params + self.buffers + self.grads + self.optimizer_state + self.activations)
+
+    def parts(self) -> dict[str, int]:
+        """The stacked categories, in bytes (the allocator cache only where measured)."""
+        parts = {
+            "parameters": self.params + self.buffers, "gradients": self.grads,
+            "optimizer state": self.optimizer_state, "saved activations": self.activations, "other": self.other,
+        }  # fmt: skip
+        if self.allocator_cache is not None:
+            parts["allocator cache"] = self.allocator_cache
+        return parts
+
+    def row(self) -> dict:
+        """One table row in MiB."""
+        mib = 2**20
+        row = {"batch": self.batch_size, "precision": self.precision, "optimizer": self.optimizer}
+        row |= {f"{name} (MiB)": value / mib for name, value in self.parts().items()}
+        return row | {"peak (MiB)": self.total / mib}
+
+    def table(self) -> Table:
+        parts = self.parts() | {"peak during the step": self.total}
+        rows = [
+            {"part": name, "bytes": value, "size": format_bytes(value), "% of peak": 100 * value / max(self.total, 1)}
+            for name, value in parts.items()
+        ]
+        return Table(
+            rows,
+            title=f"one training step, batch {self.batch_size}, {self.precision}, {self.optimizer} ({self.source})",
+        )
+
+    def largest_layers(self, count: int = 5) -> Table:
+        rows = [{"module": name, "saved (MiB)": size / 2**20, "% of activations": 100 * size / max(self.activations, 1)}
+                for name, size in Counter(self.layers).most_common(count)]  # fmt: skip
+        return Table(rows, title=f"the {count} modules that save the most for backward")
+
+    def plot(self, **kwargs):
+        from .plots import plot_breakdowns
+
+        return plot_breakdowns({f"batch {self.batch_size}": self}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# One training step, measured
+
+
+def check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(
+            "the model has no parameters, so training it uses no memory for weights, gradients or optimizer "
+            "state; pass the model you mean to train."
+        )
+
+
+def sample_batch(model: nn.Module, batch, labels: torch.Tensor | None = None) -> Batch:
+    """The example batch a memory function was given, as a Batch of any form (see gpukit.step).
+
+    `labels` joins a tensor of inputs as its target (the older `(model, images, labels)` call).
+    A tensor alone gets class 0 as the target of every example (values do not change memory),
+    shaped like the model's outputs without their last (class) dimension.
+    """
+    if labels is not None:
+        batch = (batch, labels)
+    elif isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] == 0:
+            raise ValueError(f"the sample must be a batch with at least one example, got shape {tuple(batch.shape)}.")
+        batch = (batch, torch.zeros(_output_shape(model, batch)[:-1], dtype=torch.long))
+    batch = split_batch(batch)
+    if batch.size == 0:
+        raise ValueError("the sample batch is empty; give it at least one example.")
+    return batch
+
+
+def _output_shape(model: nn.Module, inputs: torch.Tensor) -> torch.Size:
+    """The shape of the model's prediction for `inputs`, from a copy on the meta device (no compute)."""
+    meta = copy.deepcopy(model).to("meta")
+    with torch.no_grad():
+        try:
+            prediction, _ = unpack_outputs(meta(inputs.to("meta")))
+        except RuntimeError as error:
+            raise does_not_fit(Batch((inputs,), {}, None, len(inputs)), error) from error
+    if prediction is None:
+        raise ValueError("the model returns no prediction to build a target for; pass a whole batch (inputs, target).")
+    return prediction.shape
+
+
+def compact(batch: Batch, device: torch.device) -> Batch:
+    """The batch on `device`, each tensor in storage of its own.
+
+    A slice of a larger tensor (x[:32] of a dataset) keeps the whole tensor's storage alive;
+    counted as saved for backward, it would make the step look as large as the dataset. A
+    loader's batch is a tensor of its own, so the sample is copied once, as a loader would.
+    """
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(device)
+        whole = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
+        return tensor if whole else tensor.clone()
+
+    return batch.map(own)
+
+
+def does_not_fit(batch: Batch, error: Exception) -> ValueError:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    shapes = ", ".join(str(tuple(t.shape)) for t in batch.tensors())
+    return ValueError(
+        f"the sample batch (tensors of shapes {shapes}) does not fit the model ({first_line}). Pass a batch shaped "
+        "like the model's training data, e.g. (batch, 3, 32, 32) images for the kit's CNNs."
+    )
+
+
+def _cannot_simulate(error: Exception) -> ValueError:
+    return ValueError(
+        f"the model runs an operation that fake tensors cannot simulate ({type(error).__name__}: "
+        f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}), usually one whose result depends on "
+        "tensor values; measure it with gk.memory.breakdown() on a small batch instead."
+    )
+
+
+def build_optimizer(optimizer, model: nn.Module, foreach: bool | None) -> tuple[torch.optim.Optimizer, str]:
+    """fit's optimizer for `model` (so the memory matches fit's), and its name."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "pass the optimizer as a name ('sgd', 'adamw') or a function of the parameters: an Optimizer "
+            "object is tied to one model's parameters, and memory is measured on a copy."
+        )
+    built = make_optimizer(optimizer, model.parameters(), lr=1e-3, weight_decay=5e-4)
+    if foreach is not None:  # CUDA optimizers default to foreach kernels, whose temporaries count
+        for group in built.param_groups:
+            group["foreach"] = foreach
+    return built, optimizer if isinstance(optimizer, str) else type(built).__name__
+
+
+@dataclass
+class MeasuredStep:
+    """One training step (gpukit.step.TrainStep, as fit runs it) with hooks to measure each phase,
+    on real or fake tensors."""
+
+    model: nn.Module
+    batch: Batch
+    step: TrainStep
+
+    def run(self, tracker: LiveTensors | None = None, saved: SavedTensors | None = None) -> int:
+        """Forward, backward, optimizer step, zero_grad; returns the gradients' bytes."""
+        mark = tracker.start_phase if tracker is not None else lambda name: None
+        mark("forward")
+        with saved.counting() if saved is not None else contextlib.nullcontext():
+            loss, _, _ = self.step.forward(self.batch)
+        mark("backward")
+        self.step.backward(loss)
+        del loss  # frees the graph's last references before the optimizer step, as in fit
+        grads = storage_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+        mark("optimizer step")
+        self.step.step()
+        return grads
+
+    def warm_up(self) -> None:
+        """The first step creates the optimizer state; errors here mean the batch does not fit."""
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+            UnsupportedOperatorException,
+        )  # fmt: skip
+
+        try:
+            self.run()
+        except torch.OutOfMemoryError:
+            raise
+        except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as error:
+            raise _cannot_simulate(error) from error
+        except RuntimeError as error:
+            raise does_not_fit(self.batch, error) from error
+
+    def measure(self, tracker: LiveTensors) -> tuple[int, int, SavedTensors]:
+        """The steady-state step: returns (gradient bytes, optimizer-state bytes, saved tensors)."""
+        resident = [*self.model.parameters(), *self.model.buffers()]
+        saved = SavedTensors(self.model, {storage_of(t)._cdata for t in resident if storage_of(t) is not None})
+        optimizer = self.step.optimizer
+        with tracker:
+            grads_before = [p.grad for p in self.model.parameters() if p.grad is not None]  # set_to_none=False
+            tracker.add([*resident, *optimizer_tensors(optimizer), *self.batch.tensors(), *grads_before])
+            del grads_before
+            grads = self.run(tracker, saved)
+        return grads, storage_bytes(optimizer_tensors(optimizer)), saved
+
+    def result(self, tracker, grads, optimizer_state, saved, **fields) -> MemoryBreakdown:
+        return MemoryBreakdown(
+            batch_size=self.batch.size, params=storage_bytes(self.model.parameters()),
+            buffers=storage_bytes(self.model.buffers()), grads=grads, optimizer_state=optimizer_state,
+            activations=saved.bytes, peak_phase=tracker.peak_phase, layers=dict(saved.by_module),
+            timeline=list(tracker.samples), phases=list(tracker.phase_starts), **fields,
+        )  # fmt: skip
+
+
+def breakdown(
+    model: nn.Module,
+    batch,
+    labels: torch.Tensor | None = None,
+    *,
+    optimizer: str | Callable = "sgd",
+    precision: str | Precision = "fp32",
+    device: str | torch.device | None = None,
+    loss_fn: str | Callable | None = None,
+    set_to_none: bool = True,
+) -> MemoryBreakdown:
+    """Measure where the memory of one training step goes.
+
+    `batch` is an example batch of any form fit accepts ((inputs, target), a dict, …; see
+    gpukit.step), or a tensor of inputs with `labels` (default class 0: values do not change
+    memory). It is copied once, so a slice of a larger tensor counts as the batch it is.
+    Trains a copy of `model` (yours is not changed) for two steps on `device`, as fit() does,
+    and measures the second, which starts from the steady state (optimizer state present).
+    Parameters, gradients, optimizer state and saved activations are counted from the tensors
+    themselves; the peak comes from the CUDA allocator on a GPU, and from tensor storages
+    tracked per operator elsewhere. `set_to_none=False` keeps zeroed gradients between steps.
+    """
+    check_model(model)
+    batch = sample_batch(model, batch, labels)
+    device = resolve_device(device)
+    precision = get_precision(precision, device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)  # what this step does not own
+    copied = copy.deepcopy(model).to(device).train()
+    built, optimizer_name = build_optimizer(optimizer, copied, foreach=None)
+    step = TrainStep(copied, built, precision, Loss(loss_fn), set_to_none=set_to_none)
+    measured = MeasuredStep(copied, compact(batch, device), step)
+    tracker = LiveTensors(device.type)
+    with precision.flags():
+        measured.warm_up()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        grads, optimizer_state, saved = measured.measure(tracker)
+    fields = {"total": tracker.peak, "source": f"measured on {device.type.upper()}: {_TRACKED}"}
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak_allocated = torch.cuda.max_memory_allocated(device)
+        fields = {
+            "total": peak_allocated - baseline, "source": "measured on CUDA: torch.cuda.max_memory_allocated",
+            "allocator_cache": torch.cuda.max_memory_reserved(device) - peak_allocated,
+        }  # fmt: skip
+    return measured.result(tracker, grads, optimizer_state, saved, device=device.type, precision=precision.name,
+                           optimizer=optimizer_name, **fields)  # fmt: skip

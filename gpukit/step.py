@@ -1,0 +1,445 @@
+"""One training step on one batch, for any model and any batch form.
+
+`fit`, `evaluate`, `gk.memory`, `gk.bench`, `gk.distributed.scaling` and the benchmarks all run
+this one definition, so what is measured is what is trained.
+
+A *batch* is what a loader yields. Accepted forms:
+
+    (inputs, target)       inputs a tensor → model(inputs); a tuple or list of tensors →
+                           model(*inputs) (the default collate turns a Dataset's ((a, b), y)
+                           into lists); a dict → model(**inputs)
+    (*inputs, target)      three or more tensors, as TensorDataset(a, b, y) yields
+    {"name": tensor, …}    a dict (the Hugging Face convention) → model(**batch); its "labels"
+                           entry, if any, is the target
+
+The model may return a tensor (the prediction), a tuple or list (its first element is the
+prediction), or a dict or object with `loss` and/or `logits` (a Hugging Face ModelOutput).
+
+The loss is, in this order: `loss_fn(prediction, target)` when a loss_fn is given (a function,
+"cross_entropy" or "mse"); the model's own `loss`; cross-entropy over the last dimension when the
+target is an integer tensor ((B, C) logits with (B,) targets, (B, T, V) with (B, T), entries equal
+to -100 ignored). A floating-point target needs an explicit loss_fn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._pytree import tree_map
+
+from .precision import Precision
+
+IGNORE_INDEX = -100  # targets equal to this are not scored (PyTorch's and Hugging Face's convention)
+LOSSES = ("cross_entropy", "mse")
+BATCH_FORMS = (
+    "(inputs, target) with inputs a tensor, a tuple/list of tensors or a dict of tensors; "
+    "(*inputs, target) with three or more tensors; or a dict of tensors passed as model(**batch), "
+    "whose 'labels' entry is the target"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class Batch:
+    """A batch split into what the model is called with and what its output is compared to.
+
+    size:  examples in the batch (the first dimension of its first tensor).
+    """
+
+    args: tuple
+    kwargs: dict
+    target: torch.Tensor | None
+    size: int
+
+    def call(self, model: Callable):
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*_leaves(self.args), *_leaves(self.kwargs), self.target) if isinstance(t, torch.Tensor)]
+
+    @property
+    def inputs(self):
+        """The model's input as a user wrote it: a tensor, a tuple of tensors, or a dict."""
+        if self.kwargs:
+            return self.kwargs
+        return self.args[0] if len(self.args) == 1 else self.args
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The same batch with `fn` applied to every tensor in it."""
+        args, kwargs, target = tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x,
+                                        (self.args, self.kwargs, self.target))  # fmt: skip
+        return Batch(args, kwargs, target, self.size)
+
+    @property
+    def is_images(self) -> bool:
+        """One 4-D floating-point input: a batch of images (B, C, H, W)."""
+        return len(self.args) == 1 and not self.kwargs and _is_image_tensor(self.args[0])
+
+    @property
+    def is_sequence(self) -> bool:
+        """An integer target with a time dimension, (B, T): samples are sequences of tokens."""
+        return self.target is not None and not self.target.is_floating_point() and self.target.dim() >= 2
+
+    @property
+    def sample_name(self) -> str:
+        """What one example is: "image", "sequence" or "sample"."""
+        return "image" if self.is_images else "sequence" if self.is_sequence else "sample"
+
+    def count_tokens(self) -> torch.Tensor | None:
+        """Scored target tokens (not IGNORE_INDEX), as a 0-d tensor on the device; None if not a sequence."""
+        return (self.target != IGNORE_INDEX).sum() if self.is_sequence else None
+
+
+def _is_image_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point()
+
+
+def _leaves(value) -> list:
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (tuple, list)):
+        return list(value)
+    return [value]
+
+
+def _describe(value) -> str:
+    """A short description of a batch for error messages: types and shapes, not values."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{key!r}: {_describe(item)}" for key, item in list(value.items())[:6]) + "}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(item) for item in value[:6]) + (", …" if len(value) > 6 else "")
+        return ("(" if isinstance(value, tuple) else "[") + inner + (")" if isinstance(value, tuple) else "]")
+    return type(value).__name__
+
+
+def _first_dimension(value) -> int | None:
+    for leaf in _leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+        if isinstance(leaf, (tuple, list, Mapping)):
+            found = _first_dimension(leaf)
+            if found is not None:
+                return found
+    return None
+
+
+def split_batch(batch) -> Batch:
+    """Split a batch of any accepted form (see the module docstring) into inputs and target."""
+    if isinstance(batch, Batch):
+        return batch
+    if isinstance(batch, Mapping):
+        if not any(isinstance(value, torch.Tensor) for value in batch.values()):
+            raise TypeError(f"the batch is a dict without tensors ({_describe(batch)}); the accepted forms are {BATCH_FORMS}.")
+        target = batch.get("labels")
+        return Batch((), dict(batch), target if isinstance(target, torch.Tensor) else None, _size(batch))
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        *inputs, target = batch
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(
+                f"the last element of a batch must be the target tensor, got {_describe(batch)}; the accepted "
+                f"forms are {BATCH_FORMS}."
+            )
+        if len(inputs) == 1:
+            (inputs,) = inputs
+            if isinstance(inputs, torch.Tensor):
+                return Batch((inputs,), {}, target, _size(batch))
+            if isinstance(inputs, Mapping):
+                return Batch((), dict(inputs), target, _size(batch))
+            if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, torch.Tensor) for x in inputs):
+                return Batch(tuple(inputs), {}, target, _size(batch))
+        elif all(isinstance(x, torch.Tensor) for x in inputs):
+            return Batch(tuple(inputs), {}, target, _size(batch))
+    raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.")
+
+
+def _size(batch) -> int:
+    size = _first_dimension(batch)
+    if size is None:
+        raise TypeError(f"the batch {_describe(batch)} has no tensor with a batch dimension; the accepted forms are {BATCH_FORMS}.")
+    return size
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Every tensor of the batch on `device`; non-blocking, so a copy from pinned memory overlaps compute."""
+    return batch.map(lambda tensor: tensor.to(device, non_blocking=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model outputs
+
+
+def unpack_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(prediction, the model's own loss) from what a model returned (see the module docstring)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs, None
+    if isinstance(outputs, Mapping):  # a dict, or a Hugging Face ModelOutput (an OrderedDict)
+        return outputs.get("logits"), outputs.get("loss")
+    if isinstance(outputs, (tuple, list)):
+        if not outputs or not isinstance(outputs[0], torch.Tensor):
+            raise TypeError(f"the model returned {_describe(outputs)}; a tuple's first element must be the prediction tensor.")
+        return outputs[0], None
+    logits, loss = getattr(outputs, "logits", None), getattr(outputs, "loss", None)
+    if logits is None and loss is None:
+        raise TypeError(
+            f"the model returned a {type(outputs).__name__}; return a tensor, a tuple whose first element is the "
+            "prediction, or a dict or object with 'logits' and/or 'loss'."
+        )
+    return logits, loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+
+
+def cross_entropy(prediction: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy over scored targets, classes in the last dimension of `prediction`.
+
+    (B, C) with (B,), (B, T, V) with (B, T); also PyTorch's own layout with classes in dimension 1
+    ((B, C, H, W) with (B, H, W)). Targets equal to IGNORE_INDEX (-100) are not scored.
+    """
+    _check_classification(prediction, target)
+    if prediction.shape[:-1] == target.shape:
+        return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1),
+                               ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)  # fmt: skip
+    return F.cross_entropy(prediction, target, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+
+
+def mean_squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error; prediction and target must have the same shape (no broadcasting)."""
+    if not target.is_floating_point():
+        raise ValueError(f"loss_fn='mse' needs a floating-point target, got {target.dtype}; convert it with .float().")
+    _check_same_shape(prediction, target, "mse")
+    return F.mse_loss(prediction, target)
+
+
+def _check_classification(prediction: torch.Tensor, target: torch.Tensor) -> None:
+    if target.is_floating_point():
+        raise ValueError(
+            f"cross-entropy needs integer class targets, got {target.dtype}; for regression pass loss_fn='mse' "
+            "(or your own function)."
+        )
+    last = prediction.shape[:-1] == target.shape
+    first = prediction.dim() >= 2 and prediction.shape[:1] + prediction.shape[2:] == target.shape
+    if not (last or first):
+        raise ValueError(
+            f"cross-entropy cannot match outputs of shape {tuple(prediction.shape)} with targets of shape "
+            f"{tuple(target.shape)}: expected the outputs to be the targets' shape plus a class dimension at the "
+            "end, e.g. (B, C) for (B,) or (B, T, V) for (B, T)."
+        )
+
+
+def _check_same_shape(prediction: torch.Tensor, target: torch.Tensor, name: str) -> None:
+    if prediction.shape != target.shape:
+        raise ValueError(
+            f"{name}: outputs of shape {tuple(prediction.shape)} and targets of shape {tuple(target.shape)} would only "
+            "broadcast, which silently computes the wrong loss; make them the same shape (e.g. outputs.squeeze(-1) "
+            "or target.unsqueeze(-1))."
+        )
+
+
+# Losses that compare outputs and targets element by element: a shape mismatch is always a bug.
+_ELEMENTWISE_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+                          F.binary_cross_entropy_with_logits)  # fmt: skip
+_ELEMENTWISE_MODULES = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss)
+
+
+class Loss:
+    """What a step minimises, resolved once from `loss_fn` (see the module docstring).
+
+    `tracks_accuracy(batch, model_loss)` says whether accuracy means something for a batch:
+    integer targets scored with cross-entropy that this object computes.
+    """
+
+    def __init__(self, loss_fn: str | Callable | None = None, label_smoothing: float = 0.0, *,
+                 check_targets: bool = True):  # fmt: skip
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing!r}.")
+        self.label_smoothing = label_smoothing
+        self.ignore_index = IGNORE_INDEX
+        # Class targets are checked against the number of outputs once, on the first batch (one
+        # synchronisation): on a GPU an out-of-range target is a device-side assert that ends the process.
+        self.check_targets = check_targets
+        if loss_fn is None or loss_fn == "cross_entropy" or loss_fn is F.cross_entropy:
+            self.name, self.fn, self.explicit = "cross_entropy", None, loss_fn is not None
+        elif loss_fn == "mse":
+            self.name, self.fn, self.explicit = "mse", mean_squared_error, True
+        elif isinstance(loss_fn, str):
+            raise ValueError(f"loss_fn={loss_fn!r} is unknown; use one of {', '.join(map(repr, LOSSES))} or a function.")
+        elif callable(loss_fn):
+            self.name, self.fn, self.explicit = getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn, True
+            if isinstance(loss_fn, nn.CrossEntropyLoss):
+                self.name, self.ignore_index = "cross_entropy", loss_fn.ignore_index
+        else:
+            raise TypeError(f"loss_fn must be a function, 'cross_entropy' or 'mse', got {type(loss_fn).__name__}.")
+        if label_smoothing and (self.name != "cross_entropy" or self.fn is not None):
+            raise ValueError(
+                "label_smoothing applies to the built-in cross-entropy (loss_fn=None or 'cross_entropy'); build it "
+                "into your own loss_fn instead, e.g. nn.CrossEntropyLoss(label_smoothing=0.1)."
+            )
+        self.elementwise = loss_fn in _ELEMENTWISE_FUNCTIONS or isinstance(loss_fn, _ELEMENTWISE_MODULES)
+
+    def __repr__(self) -> str:
+        return f"Loss({self.name!r})"
+
+    def uses_model_loss(self, model_loss) -> bool:
+        return model_loss is not None and not self.explicit
+
+    def __call__(self, prediction, target, model_loss=None) -> torch.Tensor:
+        """The scalar loss of one batch (float32)."""
+        if self.uses_model_loss(model_loss):
+            loss = model_loss
+        else:
+            if prediction is None:
+                raise ValueError(
+                    "the model returned no prediction (no tensor and no 'logits') and no 'loss'; return logits, or "
+                    "compute the loss in the model and return it as 'loss'."
+                )
+            if target is None:
+                raise ValueError(
+                    "the batch has no target and the model returned no 'loss': put the target in the batch "
+                    "((inputs, target), or a 'labels' entry of a dict batch), or return 'loss' from the model."
+                )
+            if self.fn is None:
+                _check_classification(prediction, target)
+                self._check_range(prediction, target)
+                loss = cross_entropy(prediction, target, self.label_smoothing)
+            else:
+                if self.elementwise:
+                    _check_same_shape(prediction, target, self.name)
+                if self.name == "cross_entropy":  # an nn.CrossEntropyLoss: check the shapes it is given
+                    _check_classification(prediction, target)
+                    self._check_range(prediction, target)
+                loss = self.fn(prediction, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()), or use a loss function "
+                "with reduction='mean'."
+            )
+        return loss.float()
+
+    def _check_range(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
+        if not self.check_targets:
+            return
+        self.check_targets = False
+        classes = prediction.shape[-1] if prediction.shape[:-1] == target.shape else prediction.shape[1]
+        scored = target[target != self.ignore_index]
+        if scored.numel() == 0:
+            return
+        low, high = torch.stack([scored.min(), scored.max()]).tolist()
+        if low < 0 or high >= classes:
+            raise ValueError(
+                f"class targets must lie in 0..{classes - 1} (the outputs have {classes} classes), found {low}..{high} "
+                f"in the first batch; fix the labels, or the model's number of outputs (targets equal to "
+                f"{self.ignore_index} are ignored)."
+            )
+
+    def tracks_accuracy(self, batch: Batch, model_loss=None) -> bool:
+        target = batch.target
+        return (
+            self.name == "cross_entropy" and not self.uses_model_loss(model_loss)
+            and target is not None and not target.is_floating_point() and not target.is_complex()
+        )  # fmt: skip
+
+    def correct(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct, scored) predictions as 0-d tensors on the device: nothing waits for the GPU."""
+        classes_last = prediction.shape[:-1] == target.shape
+        guesses = prediction.argmax(-1 if classes_last else 1)
+        scored = target != self.ignore_index
+        return ((guesses == target) & scored).sum(), scored.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+
+
+class TrainStep:
+    """Forward, loss, backward and the optimizer step for one precision, as `fit` runs them.
+
+    model:       what is called (the model itself, or its DDP/compiled wrapper);
+    parameters:  what the optimizer updates and `clip` bounds (the bare model's parameters);
+    accumulate:  micro-batches per optimizer step: each loss is divided by it before backward.
+
+    The pieces are separate methods so that `fit` can skip DDP's all-reduce on micro-batches and
+    `gk.memory` can measure each phase; `__call__` runs one whole optimizer step on one batch.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        optimizer: torch.optim.Optimizer | None,
+        precision: Precision,
+        loss: Loss | None = None,
+        *,
+        parameters=None,
+        accumulate: int = 1,
+        clip: float | None = None,
+        set_to_none: bool = True,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.loss = loss if loss is not None else Loss()
+        self.parameters = list(parameters if parameters is not None else model.parameters())
+        self.accumulate = accumulate
+        self.clip = clip
+        self.set_to_none = set_to_none
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(loss, prediction, the model's own loss or None) of one batch, under autocast."""
+        with self.precision.autocast():
+            prediction, model_loss = unpack_outputs(batch.call(self.model))
+            loss = self.loss(prediction, batch.target, model_loss)
+        return loss, prediction, model_loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
+
+    def step(self) -> None:
+        """Unscale and clip (if asked), update, and zero the gradients."""
+        self.precision.step(self.optimizer, self.parameters, self.clip)
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
+
+    def __call__(self, batch) -> torch.Tensor:
+        """One optimizer step on one batch of any accepted form; returns the detached loss."""
+        loss, _, _ = self.forward(split_batch(batch))
+        self.backward(loss)
+        self.step()
+        return loss.detach()
+
+
+def forward_backward(model: nn.Module, batch, loss: Loss | None = None, *, backward: bool = True) -> None:
+    """Forward, loss and (with `backward`) backward of one batch, no optimizer: what
+    `gk.bench.flops_per_step` counts. A bare tensor is the inputs alone: backward then starts
+    from the sum of the outputs."""
+    if isinstance(batch, torch.Tensor):
+        prediction, model_loss = unpack_outputs(model(batch))
+        value = model_loss if model_loss is not None else prediction.float().sum()
+    else:
+        batch = split_batch(batch)
+        prediction, model_loss = unpack_outputs(batch.call(model))
+        value = (loss or Loss())(prediction, batch.target, model_loss)
+    if backward:
+        value.backward()
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, training: bool = True):
+    """Put `model` in training (or eval) mode and restore the mode of every submodule afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train(training)
+    try:
+        yield model
+    finally:
+        for module, mode in modes:
+            module.training = mode

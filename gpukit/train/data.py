@@ -1,0 +1,79 @@
+"""What fit and evaluate read: the data as a loader, and each batch split and on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .. import distributed
+from ..data import DeviceLoader, ImageDataset, TextLoader, TokenDataset
+from ..step import Batch, split_batch, to_device
+
+DEVICE_LOADERS = (DeviceLoader, TextLoader)  # loaders that keep the whole dataset on the device
+
+
+def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bool, channels_last: bool = False,
+              seed: int = 0, shard: bool = True) -> Iterable:  # fmt: skip
+    """What fit and evaluate iterate over: a loader as given, or one built for a Dataset.
+
+    An ImageDataset gets the device-resident DeviceLoader, a TokenDataset the TextLoader, any
+    other Dataset a DataLoader (with a DistributedSampler in a distributed job when `shard`).
+    A DataLoader, a device-resident loader or any re-iterable of batches is used as it is.
+    """
+    if isinstance(data, (*DEVICE_LOADERS, DataLoader)):
+        if batch_size is not None and batch_size != data.batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} differs from the loader's batch_size={data.batch_size}; leave batch_size=None "
+                "when passing a loader, or build the loader with the size you want."
+            )
+        if isinstance(data, DEVICE_LOADERS) and data.device != device:
+            raise ValueError(
+                f"the {type(data).__name__} keeps its data on {data.device} but training runs on {device}; make them agree."
+            )
+        return data
+    if isinstance(data, Dataset):
+        if batch_size is None:
+            raise ValueError("batch_size is required when passing a Dataset (or pass a loader that has one).")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if hasattr(data, "__len__") and len(data) == 0:
+            raise ValueError("the dataset is empty; give it at least one example.")
+        pin = device.type == "cuda"  # page-locked host memory: the copy to the GPU can overlap compute
+        if isinstance(data, ImageDataset):
+            return DeviceLoader(data, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed)
+        if isinstance(data, TokenDataset):
+            return TextLoader(data, batch_size, shuffle=shuffle, device=device, seed=seed)
+        if isinstance(data, IterableDataset):
+            return DataLoader(data, batch_size=batch_size, pin_memory=pin)
+        if shard and distributed.world_size() > 1:
+            return distributed.sharded_loader(data, batch_size, shuffle=shuffle, seed=seed, pin_memory=pin)
+        return DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, pin_memory=pin,
+                          generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    if isinstance(data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"expected a Dataset, a DataLoader, a DeviceLoader or TextLoader, or a re-iterable of batches (a list, "
+            f"or an object with __iter__), got {type(data).__name__}."
+        )
+    if batch_size is not None:
+        raise ValueError(
+            f"batch_size applies to a Dataset; this {type(data).__name__} already yields batches, so leave batch_size=None."
+        )
+    return data
+
+
+def length(loader) -> int | None:
+    """Batches per epoch, or None for data without len()."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def prepare(raw, device: torch.device, channels_last: bool) -> Batch:
+    """A batch as it comes from the loader → split into inputs and target, on `device`."""
+    batch = to_device(split_batch(raw), device)
+    if channels_last:
+        batch = batch.map(lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t)
+    return batch

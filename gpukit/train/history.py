@@ -1,0 +1,120 @@
+"""What a training run measured: `History`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class History:
+    """What a run measured.
+
+    steps:  one row per logged window of `log_every` optimizer steps: step (the last in the
+            window), epoch, loss (mean over the window), lr, step_time (s, mean over the window),
+            samples_per_second, and tokens_per_second for sequence data (scored target tokens).
+    epochs: one row per epoch: epoch, train_loss, then train_accuracy where accuracy means
+            something (integer targets scored with cross-entropy), train_<name> for each of your
+            metrics; the same with eval_ when there is held-out data; peak_memory (bytes allocated
+            on a CUDA device; None where not measured) and seconds (training only).
+    A column that does not apply to the run is absent, never 0.
+    sample_name: what one sample is ("image", "sequence" or "sample"), read from the first batch.
+    """
+
+    steps: list[dict] = field(default_factory=list)
+    epochs: list[dict] = field(default_factory=list)
+    precision: str = "fp32"
+    device: str = "cpu"
+    batch_size: int = 0  # samples per optimizer step, all ranks together
+    sample_name: str = "sample"
+    skipped_steps: int = 0  # fp16 steps skipped by the loss scaler
+    seconds: float = 0.0  # wall time of the whole fit, evaluation included
+
+    @property
+    def losses(self) -> list[float]:
+        return [row["loss"] for row in self.steps]
+
+    def final(self, column: str):
+        """The last epoch's value of a column (e.g. "eval_loss", "train_mae"), or None."""
+        return self.epochs[-1].get(column) if self.epochs else None
+
+    @property
+    def final_eval_accuracy(self) -> float | None:
+        return self.final("eval_accuracy")
+
+    @property
+    def final_train_accuracy(self) -> float | None:
+        return self.final("train_accuracy")
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        return self.final("eval_loss")
+
+    @property
+    def metric_names(self) -> list[str]:
+        """Columns of the epoch rows that hold a measured quantity (loss, accuracy, your metrics)."""
+        names = dict.fromkeys(key for row in self.epochs for key in row)
+        return [name for name in names if name.startswith(("train_", "eval_"))]
+
+    def steady_rows(self) -> list[dict]:
+        """Logged windows after the first (which holds warm-up, compilation, cuDNN autotuning)."""
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
+
+    def _steady_median(self, column: str) -> float | None:
+        values = [row[column] for row in self.steady_rows() if row.get(column) is not None]
+        return _median(values) if values else None
+
+    @property
+    def step_time(self) -> float:
+        """Median seconds per optimizer step in steady state."""
+        return _median([row["step_time"] for row in self.steady_rows()])
+
+    @property
+    def samples_per_second(self) -> float:
+        """Median training throughput in steady state (samples/s, all ranks)."""
+        return _median([row["samples_per_second"] for row in self.steady_rows()])
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Median throughput in scored target tokens/s for sequence data; None otherwise."""
+        return self._steady_median("tokens_per_second")
+
+    @property
+    def images_per_second(self) -> float | None:
+        """samples_per_second when the samples are images; None for other data."""
+        return self.samples_per_second if self.sample_name == "image" else None
+
+    @property
+    def peak_memory(self) -> int | None:
+        values = [row["peak_memory"] for row in self.epochs if row.get("peak_memory") is not None]
+        return max(values) if values else None
+
+    def summary(self) -> dict:
+        summary = {"precision": self.precision, "batch_size": self.batch_size}
+        summary |= {name: self.final(name) for name in self.metric_names}
+        summary |= {"samples_per_second": self.samples_per_second, "step_time_ms": self.step_time * 1e3}
+        if self.tokens_per_second is not None:
+            summary["tokens_per_second"] = self.tokens_per_second
+        return summary | {
+            "peak_memory_MiB": None if self.peak_memory is None else self.peak_memory / 2**20,
+            "skipped_steps": self.skipped_steps,
+            "seconds": self.seconds,
+        }
+
+    def table(self):
+        from ..report import Table
+
+        return Table(self.epochs, title=f"{self.precision}, batch {self.batch_size} on {self.device}")
+
+    def plot(self, **kwargs):
+        from ..plots import plot_history
+
+        return plot_history(self, **kwargs)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not values:
+        return float("nan")
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2

@@ -21,9 +21,9 @@ import platform
 
 import torch
 import torchvision
+from gpukit.checkpointing import apply_checkpointing
 
 import gpukit as gk
-from gpukit.checkpointing import apply_checkpointing
 
 STRATEGIES = {"every block": {}, "sqrt(n) segments": {"segments": "sqrt"}}
 MODELS = {

@@ -56,11 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--test-size", type=int, help="held-out images (shapes only; default: the profile's)")
     train.add_argument("--image-size", type=int, default=32, help="folder only: images become N×N (default: 32)")
     train.add_argument("--seq-len", type=int, help="text only: tokens per window (default: the profile's)")
-    train.add_argument("--model", choices=MODELS, help="fast_cnn or resnet18 for images (default fast_cnn); gpt for text")
+    train.add_argument(
+        "--model", choices=MODELS, help="fast_cnn or resnet18 for images (default fast_cnn); gpt for text"
+    )
     train.add_argument("--width", type=int, help="channels of fast_cnn, or width of gpt (default: the profile's)")
     train.add_argument("--epochs", type=int, help="default: the profile's")
     train.add_argument("--batch-size", type=int, help="per process under torchrun (default: the profile's)")
-    train.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 with SGD for CNNs, 3e-3 with AdamW for gpt)")
+    train.add_argument(
+        "--lr", type=float, help="peak learning rate (default: 0.1 with SGD for CNNs, 3e-3 with AdamW for gpt)"
+    )
     train.add_argument("--precision", choices=PRECISIONS, default="fp32")
     train.add_argument("--device", default="auto", help="auto (the best present), cpu, cuda, cuda:N or mps")
     train.add_argument("--checkpoint-dir", help="save last.pt here after every epoch, and resume from it")

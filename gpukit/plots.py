@@ -17,7 +17,9 @@ def plot_history(history, title: str | None = None):
     one panel for each of your metrics (train and held-out)."""
     names = history.metric_names
     panels = ["accuracy" if "train_accuracy" in names else "loss"]
-    panels += [name[len("train_") :] for name in names if name.startswith("train_") and name[6:] not in ("loss", "accuracy")]
+    panels += [
+        name[len("train_") :] for name in names if name.startswith("train_") and name[6:] not in ("loss", "accuracy")
+    ]
     figure, (loss_axis, *axes) = _figure(1 + len(panels))
     loss_axis.plot([r["step"] for r in history.steps], [r["loss"] for r in history.steps])
     loss_axis.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")

@@ -139,7 +139,9 @@ def split_batch(batch) -> Batch:
         return batch
     if isinstance(batch, Mapping):
         if not any(isinstance(value, torch.Tensor) for value in batch.values()):
-            raise TypeError(f"the batch is a dict without tensors ({_describe(batch)}); the accepted forms are {BATCH_FORMS}.")
+            raise TypeError(
+                f"the batch is a dict without tensors ({_describe(batch)}); the accepted forms are {BATCH_FORMS}."
+            )
         target = batch.get("labels")
         return Batch((), dict(batch), target if isinstance(target, torch.Tensor) else None, _size(batch))
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
@@ -165,7 +167,9 @@ def split_batch(batch) -> Batch:
 def _size(batch) -> int:
     size = _first_dimension(batch)
     if size is None:
-        raise TypeError(f"the batch {_describe(batch)} has no tensor with a batch dimension; the accepted forms are {BATCH_FORMS}.")
+        raise TypeError(
+            f"the batch {_describe(batch)} has no tensor with a batch dimension; the accepted forms are {BATCH_FORMS}."
+        )
     return size
 
 
@@ -186,7 +190,9 @@ def unpack_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return outputs.get("logits"), outputs.get("loss")
     if isinstance(outputs, (tuple, list)):
         if not outputs or not isinstance(outputs[0], torch.Tensor):
-            raise TypeError(f"the model returned {_describe(outputs)}; a tuple's first element must be the prediction tensor.")
+            raise TypeError(
+                f"the model returned {_describe(outputs)}; a tuple's first element must be the prediction tensor."
+            )
         return outputs[0], None
     logits, loss = getattr(outputs, "logits", None), getattr(outputs, "loss", None)
     if logits is None and loss is None:
@@ -274,7 +280,9 @@ class Loss:
         elif loss_fn == "mse":
             self.name, self.fn, self.explicit = "mse", mean_squared_error, True
         elif isinstance(loss_fn, str):
-            raise ValueError(f"loss_fn={loss_fn!r} is unknown; use one of {', '.join(map(repr, LOSSES))} or a function.")
+            raise ValueError(
+                f"loss_fn={loss_fn!r} is unknown; use one of {', '.join(map(repr, LOSSES))} or a function."
+            )
         elif callable(loss_fn):
             self.name, self.fn, self.explicit = getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn, True
             if isinstance(loss_fn, nn.CrossEntropyLoss):

@@ -73,3 +73,27 @@ def test_cuda_timing_uses_events_and_sees_the_work():
     timing = timeit(lambda: a @ a, device="cuda", repeats=5)
     assert timing.median > 1e-5  # an unsynchronised host timer would see only the launch
     assert matmul_tflops("cuda", "fp32", n=2048, repeats=3) > 1
+
+
+class DictModel(torch.nn.Module):
+    """model(input_ids=…, labels=…) → {"loss", "logits"}: one matmul per token (the head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(256, 16), torch.nn.Linear(16, 256, bias=False)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.embed(input_ids))
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_flops_per_step_for_any_batch_form():
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    # The head's matmul: 2·16·256 FLOPs per token forward, twice that backward (input and weight gradients).
+    expected = 6 * 16 * 256 * tokens.numel()
+    assert flops_per_step(DictModel(), {"input_ids": tokens, "labels": tokens}) == expected
+    assert flops_per_step(DictModel(), {"input_ids": tokens, "labels": tokens}, backward=False) == expected // 3
+    model = gk.models.gpt(max_seq_len=8, width=32, depth=2, heads=2)
+    tuple_count = flops_per_step(model, (tokens, tokens))
+    assert tuple_count == flops_per_step(model, tokens) > 0  # the loss adds no matmul
+    assert all(p.grad is None for p in model.parameters())  # counted on a copy on the meta device

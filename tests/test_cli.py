@@ -118,8 +118,18 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
         (["--seq-len", "64"], ["--seq-len", "text"]),
         (["--dataset", "text", "--augment"], ["--augment", "images"]),
     ],
-    ids=["epochs-0", "negative-train-size", "lr-0", "width-with-resnet18", "size-with-cifar10", "gpt-on-images",
-         "cnn-on-text", "folder-without-path", "seq-len-on-images", "augment-text"],  # fmt: skip
+    ids=[
+        "epochs-0",
+        "negative-train-size",
+        "lr-0",
+        "width-with-resnet18",
+        "size-with-cifar10",
+        "gpt-on-images",
+        "cnn-on-text",
+        "folder-without-path",
+        "seq-len-on-images",
+        "augment-text",
+    ],  # fmt: skip
 )
 def test_main_rejects_bad_arguments(monkeypatch, capsys, arguments, words):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
 from gpukit import distributed
-from gpukit.distributed import costmodel, scaling
 from gpukit.data import DeviceLoader, shapes
+from gpukit.distributed import costmodel, scaling
 from gpukit.distributed.pipeline import Scale, TwoStagePipeline, split_in_two
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,7 +62,16 @@ def pipeline_gradient_difference(micro_batches: int = 4) -> float:
     return max((p.grad - q.grad).abs().max().item() for p, q in zip(pipeline.stage.parameters(), mine.parameters()))
 
 
-def two_rank_worker(train):
+def gpt():
+    torch.manual_seed(0)
+    return gk.models.gpt(max_seq_len=16, width=32, depth=2, heads=2)
+
+
+TEXT = dict(batch_size=8, max_steps=6, lr=0.05, optimizer="sgd", schedule="constant", warmup=0, progress=False,
+            seed=5, device="cpu")  # fmt: skip
+
+
+def two_rank_worker(train, text):
     """Everything the tests below check on two ranks, in one launch."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -111,6 +120,13 @@ def two_rank_worker(train):
 
     results["pipeline_difference"] = pipeline_gradient_difference()  # 6. two-stage pipeline
 
+    model = gpt()  # 6b. a GPT on (B, T) tokens: fit shards the TextLoader's windows over the ranks
+    history = gk.fit(model, text, **TEXT)
+    results["gpt"] = {"state": model.state_dict(), "losses": history.losses, "tokens": history.tokens_per_second}
+    sharded = distributed.sharded_data_parallel(gpt())  # 6c. FSDP2: each block a unit, the tied embedding in the root
+    gk.fit(sharded, text, **TEXT)
+    results["gpt_fsdp"] = full_state(sharded)
+
     layer = nn.Linear(3, 2)  # 7. local SGD's parameter averaging
     with torch.no_grad():
         layer.weight.fill_(worker.rank)
@@ -133,8 +149,13 @@ def data():
 
 
 @pytest.fixture(scope="module")
-def two_ranks(data):
-    return gk.distributed.launch(two_rank_worker, 2, data, backend="gloo", timeout=240)
+def text():
+    return gk.data.text(seq_len=16, max_bytes=20_000)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data, text):
+    return gk.distributed.launch(two_rank_worker, 2, data, text, backend="gloo", timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +218,17 @@ def test_fsdp2_in_fit_trains_like_ddp_and_refuses_checkpoints(two_ranks, one_ran
     reference, _ = one_rank_reference
     assert_states_close(two_ranks[0]["fsdp"], reference)
     assert "FSDP2" in two_ranks[0]["fsdp_checkpoint_error"]
+
+
+def test_a_gpt_on_two_ranks_equals_one_process_with_twice_the_batch(two_ranks, text):
+    model = gpt()
+    history = gk.fit(model, text, **(TEXT | {"batch_size": 2 * TEXT["batch_size"]}))
+    for rank in two_ranks:
+        assert_states_close(rank["gpt"]["state"], model.state_dict())
+        assert_states_close(rank["gpt_fsdp"], model.state_dict())  # FSDP2 shards the same computation
+    for mine, theirs in zip(two_ranks[0]["gpt"]["losses"], history.losses):
+        assert math.isclose(mine, theirs, rel_tol=1e-5)
+    assert two_ranks[0]["gpt"]["tokens"] > 0
 
 
 def test_pipeline_computes_the_gradients_of_one_process(two_ranks):

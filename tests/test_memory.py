@@ -9,8 +9,8 @@ from torch import nn
 
 import gpukit as gk
 from gpukit import memory
-from gpukit.memory import allocator
 from gpukit.data import shapes
+from gpukit.memory import allocator
 
 matplotlib.use("Agg")  # figures are drawn, never shown
 
@@ -207,6 +207,91 @@ def test_without_a_gpu_the_budget_must_be_given():
 
 
 # ---------------------------------------------------------------------------------------------
+# A sample batch of any form, sliced out of a larger tensor
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return gk.models.gpt(max_seq_len=32, width=32, depth=2, heads=2)
+
+
+def test_a_slice_and_its_clone_give_the_same_breakdown():
+    """The first layer saves its input for backward: the slice's bytes count, not the whole dataset behind it."""
+    dataset = images(1024)  # 12 MiB behind the slice
+    model = gk.models.fast_cnn(8)
+    sliced = memory.breakdown(model, dataset[:32], device="cpu")
+    cloned = memory.breakdown(model, dataset[:32].clone(), device="cpu")
+    for part in ("activations", "total", "params", "grads", "optimizer_state"):
+        assert getattr(sliced, part) == getattr(cloned, part), part
+    assert sliced.layers == cloned.layers  # the first convolution saves 32 images, not the 1,024 behind them
+
+
+@pytest.mark.parametrize("kind", ["cnn", "transformer", "dict batch"])
+def test_measured_equals_predicted_for_a_sliced_sample_batch(kind):
+    generator = torch.Generator().manual_seed(0)
+    if kind == "cnn":
+        model, data = gk.models.fast_cnn(8), images(512)
+        batch = (data[:16], torch.randint(0, 10, (512,), generator=generator)[:16])
+    else:
+        tokens = torch.randint(0, 256, (512, 33), generator=generator)  # (B, T + 1) windows
+        model, batch = tiny_gpt(), (tokens[:8, :-1], tokens[:8, 1:])  # strided views of one tensor
+        if kind == "dict batch":
+            model, batch = CausalLM(), {"input_ids": tokens[:8, :-1], "labels": tokens[:8, 1:]}
+    measured = memory.breakdown(model, batch, optimizer="adamw", device="cpu")
+    predicted = memory.estimate(model, batch, optimizer="adamw", device="cpu")
+    assert predicted.activations == measured.activations > 0
+    assert predicted.total == measured.total
+
+
+class CausalLM(nn.Module):
+    """Hugging Face-style: model(input_ids=…, labels=…) returns a dict with "loss" and "logits"."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.embed(input_ids))
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_activations_of_a_transformer_grow_linearly_with_the_sequence(device):
+    """scaled_dot_product_attention saves (B, heads, T) statistics, not the (B, heads, T, T) scores a
+    hand-written attention keeps: saved bytes per token stay the same as T grows."""
+    model = tiny_gpt()
+    per_token = []
+    for length in (8, 16, 32):
+        tokens = torch.zeros(4, length, dtype=torch.long)
+        prediction = memory.estimate(model, (tokens, tokens), device=device)
+        per_token.append(prediction.activations / (4 * length))
+    assert max(per_token) < 1.01 * min(per_token)
+    bare = memory.estimate(model, torch.zeros(4, 16, dtype=torch.long), device=device)  # inputs alone: class-0 targets
+    assert (
+        bare.activations
+        == memory.estimate(model, (torch.zeros(4, 16, dtype=torch.long),) * 2, device=device).activations
+    )
+
+
+def test_max_batch_size_for_a_transformer_batch():
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    budget = memory.estimate(tiny_gpt(), (tokens, tokens), batch_sizes=[40], device="cuda")[0].total
+    plan = memory.max_batch_size(tiny_gpt(), (tokens, tokens), budget=budget, margin=0.0, device="cuda")
+    assert 39 <= plan.batch_size <= 41  # the budget is what batch 40 needs
+    assert plan.predicted_peak <= budget
+
+
+def test_checkpointing_each_block_of_a_transformer_cuts_saved_activations():
+    tokens = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    plain = memory.breakdown(tiny_gpt(), (tokens, tokens), device="cpu")
+    model = tiny_gpt()
+    plan = gk.checkpointing.apply_checkpointing(model)
+    assert plan.regions == [["blocks.0"], ["blocks.1"]]
+    checkpointed = memory.breakdown(model, (tokens, tokens), device="cpu")
+    assert 2 * checkpointed.activations <= plain.activations and checkpointed.total < plain.total
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input
 
 
@@ -214,9 +299,7 @@ def test_without_a_gpu_the_budget_must_be_given():
 def test_bad_input_says_what_to_do(function):
     with pytest.raises(ValueError, match="no parameters"):
         function(nn.Flatten(), images(2), device="cpu")
-    with pytest.raises(
-        ValueError, match=r"shapes \(2, 1, 28, 28\)\) does not fit the model.*\(batch, 3, 32, 32\)"
-    ):
+    with pytest.raises(ValueError, match=r"shapes \(2, 1, 28, 28\)\) does not fit the model.*\(batch, 3, 32, 32\)"):
         function(gk.models.fast_cnn(8), torch.randn(2, 1, 28, 28), device="cpu")
     with pytest.raises(ValueError, match="precision='fp8' is unknown"):
         function(gk.models.fast_cnn(8), images(2), precision="fp8", device="cpu")

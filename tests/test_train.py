@@ -252,7 +252,11 @@ def test_batch_and_output_forms(form, device):
         data = TensorDataset(a, b, y)  # yields (a, b, y): model(a, b), target y
         history = gk.fit(model, data, batch_size=8, progress=False, device=device)
     else:
-        inputs = {"tuple": lambda i: (a[i], b[i]), "list": lambda i: [a[i], b[i]], "dict": lambda i: {"a": a[i], "b": b[i]}}
+        inputs = {
+            "tuple": lambda i: (a[i], b[i]),
+            "list": lambda i: [a[i], b[i]],
+            "dict": lambda i: {"a": a[i], "b": b[i]},
+        }
         if form.endswith("output"):
             wrap = (lambda x: (x, None)) if form == "tuple-output" else (lambda x: type("Out", (), {"logits": x})())
             model.forward = lambda a, b, forward=model.forward: wrap(forward(a, b))
@@ -541,7 +545,11 @@ def test_labels_outside_the_models_classes(small_data, device):
         ("float target, no loss_fn", ValueError, r"cross-entropy needs integer class targets.*loss_fn='mse'"),
         ("non-scalar loss", ValueError, r"the loss must be a scalar tensor, got \(8, 1\).*\.mean\(\)"),
         ("dict batch, no loss", ValueError, r"batch has no target and the model returned no 'loss'"),
-        ("mse shapes that broadcast", ValueError, r"outputs of shape \(8, 1\) and targets of shape \(8,\) would only broadcast"),
+        (
+            "mse shapes that broadcast",
+            ValueError,
+            r"outputs of shape \(8, 1\) and targets of shape \(8,\) would only broadcast",
+        ),
         ("cross-entropy shapes", ValueError, r"cannot match outputs of shape \(8, 1\) with targets of shape \(8, 3\)"),
         ("a metric that fails", ZeroDivisionError, r"division by zero"),
         ("model output of an unknown kind", TypeError, r"return a tensor, a tuple whose first element"),

@@ -46,7 +46,8 @@ class ImageDataset(Dataset):
             )
         floats = images.float().div_(255) if mean is None or std is None else None
         self.mean = torch.as_tensor(mean if mean is not None else floats.mean((0, 2, 3)), dtype=torch.float32)
-        self.std = torch.as_tensor(std if std is not None else floats.std((0, 2, 3)), dtype=torch.float32)
+        std = torch.as_tensor(std if std is not None else floats.std((0, 2, 3)), dtype=torch.float32)
+        self.std = std.clamp_min(1 / 255)  # a channel that never varies (all-zero green, say) must not divide by 0
         self.transform = transform  # optional per-image transform on a float image (C, H, W)
 
     def __len__(self) -> int:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..env import resolve_device
 from .images import ImageDataset
 
+
 def random_crop_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator | None) -> torch.Tensor:
     """Random crop with reflect padding and random horizontal flip, on a whole batch at once.
 

@@ -93,12 +93,16 @@ def _files(paths, pattern: str) -> list[Path]:
                 if file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts)
             )  # fmt: skip
             if not found:
-                raise FileNotFoundError(f"no files matching {pattern!r} in {path.resolve()}; check the folder or pattern.")
+                raise FileNotFoundError(
+                    f"no files matching {pattern!r} in {path.resolve()}; check the folder or pattern."
+                )
             files += found
         else:
             raise FileNotFoundError(f"{path} is neither a file nor a folder; pass text files or folders of them.")
     if not files:
-        raise FileNotFoundError("no text files given; pass a file, a folder, or a list of them (or None for the default).")
+        raise FileNotFoundError(
+            "no text files given; pass a file, a folder, or a list of them (or None for the default)."
+        )
     return files
 
 
@@ -131,7 +135,9 @@ def text(
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
-    tokens = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    tokens = (
+        torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    )
     split = int(len(tokens) * (1 - held_out))
     name = "the standard library's source" if paths is None else "the text"
     return (

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import parallel
 from ..bench import compare, timeit
 from ..precision import get_precision
 from ..step import TrainStep
+from . import parallel
 
 
 def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:

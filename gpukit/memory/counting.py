@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+
 def storage_of(tensor) -> torch.UntypedStorage | None:
     if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
         return None

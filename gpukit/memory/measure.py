@@ -27,7 +27,6 @@ from ..report import Table, format_bytes
 from ..step import Batch, Loss, TrainStep, split_batch, unpack_outputs
 from .counting import LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
 
-
 # ---------------------------------------------------------------------------------------------
 # Measure
 

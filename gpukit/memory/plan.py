@@ -15,6 +15,7 @@ from .allocator import free_memory
 from .estimate import precision_name, predict, target_device
 from .measure import MemoryBreakdown, breakdown, check_model, sample_batch
 
+
 @dataclass
 class BatchSizePlan:
     """The largest micro-batch under a memory budget, and how to keep a global batch.
@@ -187,8 +188,6 @@ def _probe(
         size = max(min(int(size * shrink), size - 1), 1)
     plan.batch_size = plan.micro_batch_size = size
     plan.source += f", lowered after {tries} probes on the GPU (this size is not confirmed)"
-
-
 
 
 def repeated(batch: Batch, batch_size: int) -> Batch:

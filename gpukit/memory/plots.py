@@ -8,6 +8,7 @@ from ..report import Table, format_bytes
 from .allocator import Snapshot
 from .measure import MemoryBreakdown
 
+
 def table(breakdowns: dict[str, MemoryBreakdown] | Sequence[MemoryBreakdown], title: str | None = None) -> Table:
     """One row per breakdown or prediction, sizes in MiB."""
     items = breakdowns.items() if isinstance(breakdowns, dict) else ((None, b) for b in breakdowns)

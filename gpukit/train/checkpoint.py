@@ -32,8 +32,13 @@ class Checkpointer:
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "precision": precision.state_dict(),
-                "history": {"steps": history.steps, "epochs": history.epochs, "seconds": history.seconds,
-                            "batch_size": history.batch_size, "sample_name": history.sample_name},  # fmt: skip
+                "history": {
+                    "steps": history.steps,
+                    "epochs": history.epochs,
+                    "seconds": history.seconds,
+                    "batch_size": history.batch_size,
+                    "sample_name": history.sample_name,
+                },  # fmt: skip
                 "rng": torch.get_rng_state(),
             },
             self.path,

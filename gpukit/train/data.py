@@ -42,7 +42,9 @@ def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bo
             raise ValueError("the dataset is empty; give it at least one example.")
         pin = device.type == "cuda"  # page-locked host memory: the copy to the GPU can overlap compute
         if isinstance(data, ImageDataset):
-            return DeviceLoader(data, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed)
+            return DeviceLoader(
+                data, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed
+            )
         if isinstance(data, TokenDataset):
             return TextLoader(data, batch_size, shuffle=shuffle, device=device, seed=seed)
         if isinstance(data, IterableDataset):
@@ -75,5 +77,7 @@ def prepare(raw, device: torch.device, channels_last: bool) -> Batch:
     """A batch as it comes from the loader → split into inputs and target, on `device`."""
     batch = to_device(split_batch(raw), device)
     if channels_last:
-        batch = batch.map(lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t)
+        batch = batch.map(
+            lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
+        )
     return batch

@@ -92,7 +92,8 @@ class History:
     def summary(self) -> dict:
         summary = {"precision": self.precision, "batch_size": self.batch_size}
         summary |= {name: self.final(name) for name in self.metric_names}
-        summary |= {"samples_per_second": self.samples_per_second, "step_time_ms": self.step_time * 1e3}
+        # Throughput in the data's own unit: images_per_second for images, tokens_per_second too for text.
+        summary |= {f"{self.sample_name}s_per_second": self.samples_per_second, "step_time_ms": self.step_time * 1e3}
         if self.tokens_per_second is not None:
             summary["tokens_per_second"] = self.tokens_per_second
         return summary | {

@@ -28,6 +28,7 @@ from .evaluate import evaluate
 from .history import History
 from .tally import Tally, check_metrics
 
+
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or infinite loss."""
 
@@ -261,14 +262,18 @@ def fit(
                     )
                 if window.steps:
                     _log(window, history, bar, step_index, epoch, built, precision, peak_lr)
-                tally.replace(distributed.sum_over_ranks(*tally.tensors()), distributed.sum_over_ranks(tally.samples)[0])
+                tally.replace(
+                    distributed.sum_over_ranks(*tally.tensors()), distributed.sum_over_ranks(tally.samples)[0]
+                )
                 seconds = time.perf_counter() - epoch_started  # training only, evaluation excluded
                 phase = "evaluation"
                 row = {"epoch": epoch + 1} | tally.read("train_")
                 if eval_data is not None:
                     result = evaluate(model, eval_data, precision=precision, device=device, channels_last=channels_last,
                                       loss_fn=eval_loss, metrics=metrics)  # fmt: skip
-                    row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
+                    row |= {
+                        f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")
+                    }
                 row["peak_memory"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                 row["seconds"] = seconds
                 history.epochs.append(row)

@@ -19,7 +19,7 @@ import platform
 import torch
 
 import gpukit as gk
-from gpukit import scaling
+from gpukit.distributed import scaling
 
 
 def device_name(worker) -> str:

@@ -21,9 +21,9 @@ import platform
 
 import torch
 import torchvision
-from gpukit.checkpointing import apply_checkpointing
 
 import gpukit as gk
+from gpukit.memory.checkpointing import apply_checkpointing
 
 STRATEGIES = {"every block": {}, "sqrt(n) segments": {"segments": "sqrt"}}
 MODELS = {
@@ -33,14 +33,10 @@ MODELS = {
 
 
 def step_function(model, images, labels):
+    """fit's training step (gk.step.TrainStep) on one batch, SGD with momentum, fp32."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step():
-        torch.nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    step = gk.step.TrainStep(model, optimizer, gk.get_precision("fp32", images.device))
+    return lambda: step((images, labels))
 
 
 def main() -> None:

@@ -1,13 +1,17 @@
 """How much does gpukit.fit add over a hand-written PyTorch loop?
 
 Both loops train the same model (same initial weights) on the same batches from the same
-DeviceLoader with the same optimizer and learning-rate schedule; the script first checks that
-they end with identical parameters, so they did the same work. Then it runs them interleaved
+loader with the same optimizer and learning-rate schedule; the script first checks that they
+end with identical parameters, so they did the same work. Then it runs them interleaved
 (hand, fit, hand, fit, …) so that drift in clocks or background load hits both alike, and
-reports the ratio of median step times and the overhead in µs per step.
+reports the ratio of median step times and the overhead in µs per step. Two models:
 
-    python benchmarks/fit_overhead.py                       # fp32 and bf16-mixed, fast CNN, batch 64
-    python benchmarks/fit_overhead.py --device cuda --width 64 --batch-size 512
+- cnn: the fast CNN on shapes (DeviceLoader), SGD with Nesterov momentum;
+- gpt: the small GPT on byte tokens of the standard library (TextLoader), AdamW; also its
+  tokens/s and MFU against this device's peak (CUDA: the datasheet; CPU: a measured fp32 matmul).
+
+    python benchmarks/fit_overhead.py                       # fp32 and bf16-mixed, both models
+    python benchmarks/fit_overhead.py --device cuda --width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6
 
 Each round times a whole call of `steps` optimizer steps, fit's setup included: the figure is
 what a user pays, not only the inner loop.
@@ -27,18 +31,23 @@ import gpukit as gk
 from gpukit.bench import synchronize
 
 
-def hand_written_loop(model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device) -> None:
-    """The loop a PyTorch user writes: autocast forward, backward, SGD step, one-cycle schedule."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+def hand_written_loop(model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device,
+                      kind: str) -> None:  # fmt: skip
+    """The loop a PyTorch user writes: autocast forward, backward, optimizer step, one-cycle schedule."""
+    if kind == "cnn":
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=lr, total_steps=steps + 1, pct_start=0.2 * steps / (steps + 1),
         cycle_momentum=False, div_factor=25.0, final_div_factor=1e4,
     )  # fmt: skip
     model.train()
     loader.set_epoch(0)
-    for step, (images, labels) in enumerate(loader):
+    for step, (inputs, target) in enumerate(loader):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            logits = model(inputs)  # (B, classes) or (B, T, 256)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -47,32 +56,42 @@ def hand_written_loop(model, loader, steps: int, lr: float, dtype: torch.dtype |
             break
 
 
-def gpukit_loop(model, loader, steps: int, lr: float, precision: str, device: torch.device, progress: bool) -> None:
-    gk.fit(model, loader, epochs=1, max_steps=steps, lr=lr, precision=precision, device=device, progress=progress)
+def gpukit_loop(model, loader, steps: int, lr: float, precision: str, device: torch.device, progress: bool,
+                kind: str) -> None:  # fmt: skip
+    gk.fit(model, loader, epochs=1, max_steps=steps, lr=lr, precision=precision, device=device, progress=progress,
+           optimizer="sgd" if kind == "cnn" else "adamw")  # fmt: skip
 
 
-def measure(precision: str, args, device: torch.device) -> dict:
-    dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
-    train, _ = gk.data.shapes(args.batch_size * args.steps, 0, seed=0)
-    loader = gk.data.DeviceLoader(train, args.batch_size, augment=True, device=device, seed=0)
+def setup(kind: str, args, device: torch.device):
+    """(loader, initial model, learning rate) for one of the two models."""
     torch.manual_seed(0)
-    initial = gk.models.fast_cnn(args.width).to(device)
+    if kind == "cnn":
+        train, _ = gk.data.shapes(args.batch_size * args.steps, 0, seed=0)
+        loader = gk.data.DeviceLoader(train, args.batch_size, augment=True, device=device, seed=0)
+        return loader, gk.models.fast_cnn(args.width).to(device), args.lr
+    train, _ = gk.data.text(seq_len=args.seq_len, max_bytes=args.gpt_batch_size * args.steps * (args.seq_len + 1) * 2)
+    loader = gk.data.TextLoader(train, args.gpt_batch_size, device=device, seed=0)
+    model = gk.models.gpt(max_seq_len=args.seq_len, width=args.gpt_width, depth=args.gpt_depth, heads=args.gpt_heads)
+    return loader, model.to(device), 3e-3
+
+
+def measure(kind: str, precision: str, args, device: torch.device) -> dict:
+    dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+    loader, initial, lr = setup(kind, args, device)
 
     # Same work: both loops must end with the same parameters.
     a, b = copy.deepcopy(initial), copy.deepcopy(initial)
-    hand_written_loop(a, loader, args.steps, args.lr, dtype, device)
-    gpukit_loop(b, loader, args.steps, args.lr, precision, device, progress=False)
+    hand_written_loop(a, loader, args.steps, lr, dtype, device, kind)
+    gpukit_loop(b, loader, args.steps, lr, precision, device, False, kind)
     worst = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
     tolerance = 1e-4 if dtype is None else 5e-2
     if worst > tolerance:
-        raise SystemExit(f"the loops disagree ({precision}): max parameter difference {worst:.2e}")
+        raise SystemExit(f"the loops disagree ({kind}, {precision}): max parameter difference {worst:.2e}")
 
     runners = {
-        "hand-written": lambda m: hand_written_loop(m, loader, args.steps, args.lr, dtype, device),
-        "gpukit.fit": lambda m: gpukit_loop(m, loader, args.steps, args.lr, precision, device, progress=False),
-        "gpukit.fit + progress bar": lambda m: gpukit_loop(
-            m, loader, args.steps, args.lr, precision, device, progress=True
-        ),
+        "hand-written": lambda m: hand_written_loop(m, loader, args.steps, lr, dtype, device, kind),
+        "gpukit.fit": lambda m: gpukit_loop(m, loader, args.steps, lr, precision, device, False, kind),
+        "gpukit.fit + progress bar": lambda m: gpukit_loop(m, loader, args.steps, lr, precision, device, True, kind),
     }
     step_times: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(args.rounds + 1):  # round 0 warms up (allocator, caches) and is dropped
@@ -85,39 +104,76 @@ def measure(precision: str, args, device: torch.device) -> dict:
             if round_index > 0:
                 step_times[name].append((time.perf_counter() - started) / args.steps)
     hand = statistics.median(step_times["hand-written"])
+    samples = args.batch_size if kind == "cnn" else args.gpt_batch_size
     rows = []
     for name, times in step_times.items():
         median = statistics.median(times)
         q1, _, q3 = statistics.quantiles(times, n=4)
         rows.append({
-            "precision": precision, "loop": name, "median_step_ms": median * 1e3, "iqr_ms": (q3 - q1) * 1e3,
-            "ratio": median / hand, "overhead_us_per_step": (median - hand) * 1e6,
+            "model": kind, "precision": precision, "loop": name, "median_step_ms": median * 1e3,
+            "iqr_ms": (q3 - q1) * 1e3, "ratio": median / hand, "overhead_us_per_step": (median - hand) * 1e6,
+            "samples_per_s": samples / median,
         })  # fmt: skip
-    return {"rows": rows, "max_parameter_difference": worst}
+    result = {"rows": rows, "max_parameter_difference": worst}
+    if kind == "gpt":
+        batch = next(iter(loader))
+        flops = gk.bench.flops_per_step(initial, batch)
+        tokens = batch[1].numel()
+        fit_step = statistics.median(step_times["gpukit.fit"])
+        result["gpt"] = {"tokens_per_s": tokens / fit_step, "flops_per_token": flops / tokens,
+                         "achieved_tflops": flops / fit_step / 1e12}  # fmt: skip
+    return result
+
+
+def device_peak(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """Peak TFLOP/s for MFU: the datasheet on CUDA; on a CPU, a measured 2048² matmul in the step's dtype."""
+    name = "fp32" if precision == "fp32" else precision.removesuffix("-mixed")
+    if device.type == "cuda":
+        return gk.bench.peak_tflops(torch.cuda.get_device_name(device), name), "datasheet"
+    return gk.bench.matmul_tflops(device, name, 2048), f"measured {name} matmul, n=2048"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", default="cnn,gpt")
     parser.add_argument("--width", type=int, default=16, help="fast CNN width (16: 0.14 M parameters)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="images per step for the CNN")
+    parser.add_argument("--gpt-width", type=int, default=64)
+    parser.add_argument("--gpt-depth", type=int, default=2)
+    parser.add_argument("--gpt-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--gpt-batch-size", type=int, default=32, help="windows per step for the GPT")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per timed call")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved timed rounds")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.1, help="the CNN's peak learning rate")
     parser.add_argument("--precisions", default="fp32,bf16-mixed")
     args = parser.parse_args()
     device = gk.resolve_device(args.device)
-    rows = []
-    for precision in args.precisions.split(","):
-        result = measure(precision, args, device)
-        print(f"{precision}: loops agree (max parameter difference {result['max_parameter_difference']:.1e})")
-        rows += result["rows"]
+    rows, gpt_rows = [], []
+    for kind in args.models.split(","):
+        for precision in args.precisions.split(","):
+            result = measure(kind, precision, args, device)
+            print(
+                f"{kind}, {precision}: loops agree (max parameter difference {result['max_parameter_difference']:.1e})"
+            )
+            rows += result["rows"]
+            if "gpt" in result:
+                peak, source = device_peak(device, precision)
+                gpt = result["gpt"]
+                gpt_rows.append({"precision": precision, "tokens_per_s": gpt["tokens_per_s"],
+                                 "flops_per_token": gpt["flops_per_token"], "achieved_tflops": gpt["achieved_tflops"],
+                                 "peak_tflops": peak, "peak": source,
+                                 "mfu": gpt["achieved_tflops"] / peak if peak else None})  # fmt: skip
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(
-        f"\nfast CNN width {args.width}, batch {args.batch_size}, {args.steps} steps per call, {args.rounds} rounds, "
+        f"\nCNN width {args.width}, batch {args.batch_size}; GPT width {args.gpt_width}, depth {args.gpt_depth}, "
+        f"batch {args.gpt_batch_size} × {args.seq_len} tokens; {args.steps} steps per call, {args.rounds} rounds; "
         f"{device} ({name}), {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     print(gk.Table(rows))
+    if gpt_rows:
+        print(gk.Table(gpt_rows, title="\nGPT: tokens/s and MFU of gpukit.fit"))
 
 
 if __name__ == "__main__":

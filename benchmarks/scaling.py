@@ -21,7 +21,7 @@ import platform
 import torch
 
 import gpukit as gk
-from gpukit import costmodel, scaling
+from gpukit.distributed import costmodel, scaling
 
 
 def device_name(worker) -> str:

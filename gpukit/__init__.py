@@ -4,6 +4,8 @@ Importing gpukit never initialises CUDA, so a notebook can still launch worker p
 that use the GPU afterwards.
 """
 
+import sys
+
 from . import bench, data, distributed, memory, models, optim, plots, step, train
 from .doctor import doctor
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
@@ -11,6 +13,9 @@ from .memory import checkpointing
 from .precision import PRECISIONS, Precision, get_precision
 from .report import Table, format_bytes
 from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit
+
+# `import gpukit.checkpointing` keeps working now that it lives in gpukit.memory (the same module object).
+sys.modules[f"{__name__}.checkpointing"] = checkpointing
 
 __version__ = "0.1.0"
 

@@ -90,18 +90,12 @@ def dict_batches(corpus, batch_size=8, count=6):
 
 
 # ---------------------------------------------------------------------------------------------
-# The lesson claims: a CNN learns shapes, a linear classifier does not
+# The lesson's claim that a linear classifier cannot learn shapes (lesson 01 asserts the CNN learns them)
 
 
-def test_shapes_cnn_reaches_80_percent_and_linear_stays_below_50_in_tiny_profile(device):
+def test_a_linear_classifier_stays_below_50_percent_on_shapes_in_tiny_profile(device):
     tiny = PROFILES["tiny"]
     train, test = shapes(tiny.train_size, tiny.test_size, seed=0)
-    gk.seed_everything(0)
-    cnn = gk.fit(
-        gk.models.fast_cnn(tiny.width), train, epochs=tiny.epochs, batch_size=tiny.batch_size, lr=0.1,
-        eval_data=test, progress=False, device=device,
-    )  # fmt: skip
-    assert cnn.final_eval_accuracy >= 0.8
     best_linear = 0.0
     for optimizer, lr in (("adamw", 1e-3), ("sgd", 0.01)):  # the baseline gets a fair try at two settings
         history = gk.fit(

@@ -5,7 +5,7 @@ breakdown()        one training step measured: parameters, gradients, optimizer 
                    activations, the rest, the peak (measure.py).
 estimate()         the same fields predicted with fake tensors: nothing runs on the device (estimate.py).
 max_batch_size()   the largest batch under a memory budget; accumulation keeps a global batch (plan.py).
-table(), plot_breakdowns(), plot_timeline()   what the lessons draw and print (plots.py).
+MemoryBreakdown, table(), plot_breakdowns(), plot_timeline(): the parts and their figures (parts.py).
 The CUDA allocator: out-of-memory help, free_memory, limit_gpu_memory, expandable_segments,
 record_snapshot (allocator.py); activation checkpointing (checkpointing.py).
 
@@ -25,9 +25,9 @@ from .allocator import (
     watch_out_of_memory,
 )
 from .estimate import CUDA_BLOCK, estimate
-from .measure import Measurement, MemoryBreakdown, breakdown, measure
+from .measure import Measurement, breakdown, measure
+from .parts import MemoryBreakdown, plot_breakdowns, plot_timeline, table
 from .plan import BatchSizePlan, max_batch_size
-from .plots import plot_breakdowns, plot_timeline, table
 
 __all__ = [
     "CUDA_BLOCK", "BatchSizePlan", "Measurement", "MemoryBreakdown", "Snapshot", "TrainingOutOfMemoryError",

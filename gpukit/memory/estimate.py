@@ -12,7 +12,8 @@ from ..env import resolve_device
 from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
 from .counting import LiveTensors
-from .measure import MeasuredStep, MemoryBreakdown, build_optimizer, check_model, sample_batch
+from .measure import MeasuredStep, build_optimizer, check_model, sample_batch
+from .parts import MemoryBreakdown
 
 CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,9 +22,10 @@ from torch import nn
 from ..env import resolve_device
 from ..optim import make_optimizer
 from ..precision import Precision, get_precision
-from ..report import Table, format_bytes
+from ..report import format_bytes
 from ..step import Batch, Loss, TrainStep, split_batch, unpack_outputs
 from .counting import LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
+from .parts import MemoryBreakdown
 
 # ---------------------------------------------------------------------------------------------
 # Measure
@@ -101,86 +101,6 @@ def measure(device: str | torch.device | None = None) -> Iterator[Measurement]:
             yield result
     finally:
         result.peak, result.end = tracker.peak, tracker.bytes
-
-
-# ---------------------------------------------------------------------------------------------
-# Breakdown of one training step
-
-
-@dataclass
-class MemoryBreakdown:
-    """Bytes of one training step, measured (`breakdown`) or predicted (`estimate`).
-
-    params, buffers, grads, optimizer_state:  what the model and optimizer keep.
-    activations:  bytes saved for backward in the forward pass (autocast's low-precision
-                  weight copies included), each storage once.
-    total:        the peak during the step; `other` is what the parts above do not explain
-                  (temporaries, the input batch, cuDNN/cuBLAS workspaces on a GPU). It is
-                  negative when gradients and saved activations never all lived at once.
-    allocator_cache: CUDA only: reserved minus allocated at the peak.
-    layers:       saved bytes per module (the innermost module running when it was saved).
-    timeline:     bytes of tensor storages alive after each operator; `phases` gives the
-                  index where each phase (forward, backward, optimizer step) starts.
-    """
-
-    batch_size: int
-    device: str
-    precision: str
-    optimizer: str
-    params: int
-    buffers: int
-    grads: int
-    optimizer_state: int
-    activations: int
-    total: int
-    source: str
-    allocator_cache: int | None = None
-    peak_phase: str | None = None
-    layers: dict[str, int] = field(default_factory=dict)
-    timeline: list[int] = field(default_factory=list, repr=False)
-    phases: list[tuple[str, int]] = field(default_factory=list, repr=False)
-
-    @property
-    def other(self) -> int:
-        return self.total - (self.params + self.buffers + self.grads + self.optimizer_state + self.activations)
-
-    def parts(self) -> dict[str, int]:
-        """The stacked categories, in bytes (the allocator cache only where measured)."""
-        parts = {
-            "parameters": self.params + self.buffers, "gradients": self.grads,
-            "optimizer state": self.optimizer_state, "saved activations": self.activations, "other": self.other,
-        }  # fmt: skip
-        if self.allocator_cache is not None:
-            parts["allocator cache"] = self.allocator_cache
-        return parts
-
-    def row(self) -> dict:
-        """One table row in MiB."""
-        mib = 2**20
-        row = {"batch": self.batch_size, "precision": self.precision, "optimizer": self.optimizer}
-        row |= {f"{name} (MiB)": value / mib for name, value in self.parts().items()}
-        return row | {"peak (MiB)": self.total / mib}
-
-    def table(self) -> Table:
-        parts = self.parts() | {"peak during the step": self.total}
-        rows = [
-            {"part": name, "bytes": value, "size": format_bytes(value), "% of peak": 100 * value / max(self.total, 1)}
-            for name, value in parts.items()
-        ]
-        return Table(
-            rows,
-            title=f"one training step, batch {self.batch_size}, {self.precision}, {self.optimizer} ({self.source})",
-        )
-
-    def largest_layers(self, count: int = 5) -> Table:
-        rows = [{"module": name, "saved (MiB)": size / 2**20, "% of activations": 100 * size / max(self.activations, 1)}
-                for name, size in Counter(self.layers).most_common(count)]  # fmt: skip
-        return Table(rows, title=f"the {count} modules that save the most for backward")
-
-    def plot(self, **kwargs):
-        from .plots import plot_breakdowns
-
-        return plot_breakdowns({f"batch {self.batch_size}": self}, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from ..report import format_bytes
 from ..step import Batch
 from .allocator import free_memory
 from .estimate import precision_name, predict, target_device
-from .measure import MemoryBreakdown, breakdown, check_model, sample_batch
+from .measure import breakdown, check_model, sample_batch
+from .parts import MemoryBreakdown
 
 
 @dataclass

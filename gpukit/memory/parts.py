@@ -1,0 +1,159 @@
+"""The parts of one training step's memory (`MemoryBreakdown`, measured or predicted), and the
+tables and figures the lessons show of them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..report import Table, format_bytes
+from .allocator import Snapshot
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes of one training step, measured (`breakdown`) or predicted (`estimate`).
+
+    params, buffers, grads, optimizer_state:  what the model and optimizer keep.
+    activations:  bytes saved for backward in the forward pass (autocast's low-precision
+                  weight copies included), each storage once.
+    total:        the peak during the step; `other` is what the parts above do not explain
+                  (temporaries, the input batch, cuDNN/cuBLAS workspaces on a GPU). It is
+                  negative when gradients and saved activations never all lived at once.
+    allocator_cache: CUDA only: reserved minus allocated at the peak.
+    layers:       saved bytes per module (the innermost module running when it was saved).
+    timeline:     bytes of tensor storages alive after each operator; `phases` gives the
+                  index where each phase (forward, backward, optimizer step) starts.
+    """
+
+    batch_size: int
+    device: str
+    precision: str
+    optimizer: str
+    params: int
+    buffers: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    total: int
+    source: str
+    allocator_cache: int | None = None
+    peak_phase: str | None = None
+    layers: dict[str, int] = field(default_factory=dict)
+    timeline: list[int] = field(default_factory=list, repr=False)
+    phases: list[tuple[str, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def other(self) -> int:
+        return self.total - (self.params + self.buffers + self.grads + self.optimizer_state + self.activations)
+
+    def parts(self) -> dict[str, int]:
+        """The stacked categories, in bytes (the allocator cache only where measured)."""
+        parts = {
+            "parameters": self.params + self.buffers, "gradients": self.grads,
+            "optimizer state": self.optimizer_state, "saved activations": self.activations, "other": self.other,
+        }  # fmt: skip
+        if self.allocator_cache is not None:
+            parts["allocator cache"] = self.allocator_cache
+        return parts
+
+    def row(self) -> dict:
+        """One table row in MiB."""
+        mib = 2**20
+        row = {"batch": self.batch_size, "precision": self.precision, "optimizer": self.optimizer}
+        row |= {f"{name} (MiB)": value / mib for name, value in self.parts().items()}
+        return row | {"peak (MiB)": self.total / mib}
+
+    def table(self) -> Table:
+        parts = self.parts() | {"peak during the step": self.total}
+        rows = [
+            {"part": name, "bytes": value, "size": format_bytes(value), "% of peak": 100 * value / max(self.total, 1)}
+            for name, value in parts.items()
+        ]
+        return Table(
+            rows,
+            title=f"one training step, batch {self.batch_size}, {self.precision}, {self.optimizer} ({self.source})",
+        )
+
+    def largest_layers(self, count: int = 5) -> Table:
+        rows = [{"module": name, "saved (MiB)": size / 2**20, "% of activations": 100 * size / max(self.activations, 1)}
+                for name, size in Counter(self.layers).most_common(count)]  # fmt: skip
+        return Table(rows, title=f"the {count} modules that save the most for backward")
+
+    def plot(self, **kwargs):
+        return plot_breakdowns({f"batch {self.batch_size}": self}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables and plots
+
+
+def table(breakdowns: dict[str, MemoryBreakdown] | Sequence[MemoryBreakdown], title: str | None = None) -> Table:
+    """One row per breakdown or prediction, sizes in MiB."""
+    items = breakdowns.items() if isinstance(breakdowns, dict) else ((None, b) for b in breakdowns)
+    rows = [({"case": name} if name is not None else {}) | b.row() for name, b in items]
+    return Table(rows, title=title)
+
+
+_COLOURS = {
+    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868",
+    "saved activations": "#c44e52", "other": "#8c8c8c", "allocator cache": "#d9d9d9",
+}  # fmt: skip
+
+
+def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], title: str = "where training memory goes"):
+    """Stacked bars, one per breakdown; a black line marks each step's peak.
+
+    A negative "other" (gradients and activations never all alive at once) is not drawn: the
+    peak line then lies below the top of the stack.
+    """
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(max(4.5, 1.3 * len(breakdowns) + 2.5), 4))
+    for position, parts in enumerate(breakdowns.values()):
+        bottom = 0.0
+        for part, value in parts.parts().items():
+            if value > 0:
+                axis.bar(position, value / 2**20, bottom=bottom, color=_COLOURS[part], label=part)
+                bottom += value / 2**20
+        axis.hlines(
+            parts.total / 2**20,
+            position - 0.45,
+            position + 0.45,
+            colors="black",
+            label="peak",
+        )
+    handles, labels = axis.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axis.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    axis.set_xticks(range(len(breakdowns)), list(breakdowns), rotation=15)
+    axis.set(ylabel="MiB", title=title)
+    figure.tight_layout()
+    return figure
+
+
+def plot_timeline(source: MemoryBreakdown | Snapshot | Sequence[int], title: str | None = None):
+    """Memory after each operator (a breakdown or estimate) or allocator event (a Snapshot)."""
+    import matplotlib.pyplot as plt
+
+    phases = []
+    if isinstance(source, MemoryBreakdown):
+        values, phases = source.timeline, source.phases
+        xlabel, default = "operator (in the order they ran)", f"one training step: {source.source}"
+    elif isinstance(source, Snapshot):
+        values, xlabel, default = source.timeline(), "allocation or free", "one training step: CUDA memory snapshot"
+    else:
+        values, xlabel, default = list(source), "event", "memory over time"
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    axis.plot([v / 2**20 for v in values], color="black", linewidth=1)
+    ends = [start for _, start in phases[1:]] + [len(values)]
+    for (name, start), end, colour in zip(phases, ends, ("#dbe9f6", "#fbe3d6", "#dff0d8")):
+        axis.axvspan(start, max(end - 1, start), color=colour, label=name)
+    if values:
+        peak = max(range(len(values)), key=values.__getitem__)
+        axis.plot(peak, values[peak] / 2**20, "v", color="#c44e52", label=f"peak {format_bytes(values[peak])}")
+    axis.set(xlabel=xlabel, ylabel="MiB alive", title=title or default)
+    axis.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    return figure

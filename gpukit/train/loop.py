@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -147,7 +147,7 @@ def fit(
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters to train.")
     loader = as_loader(train_data, batch_size, device, shuffle=True, channels_last=channels_last, seed=seed)
-    if epochs > 1 and iter(loader) is loader:
+    if epochs > 1 and isinstance(loader, Iterator):  # a generator: its second epoch would be empty
         raise ValueError(
             f"the training data is a {type(loader).__name__}, which can be read only once, but epochs={epochs}; pass a "
             "list, a Dataset, a DataLoader or an object whose __iter__ starts afresh, or train one epoch."
@@ -202,7 +202,7 @@ def fit(
     if device.type == "cuda":
         watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
     phase, out_of_memory = "loading data", None  # the phase an out-of-memory error is reported in
-    micro_batch_size = plan["batch_size"]
+    micro_batch_size, first_batch = plan["batch_size"], True
     eval_loss = Loss(loss_fn) if label_smoothing else loss  # held-out loss without smoothing
     started = time.perf_counter()
     model.train()
@@ -224,7 +224,8 @@ def fit(
                     if steps_per_epoch is not None and micro == steps_per_epoch * accumulate:
                         break  # leftover micro-batches would leave gradients behind for the next step
                     batch = prepare(raw, device, channels_last)
-                    if micro_batch_size is None or not history.batch_size:
+                    if first_batch:  # what a sample is, and how many a step takes, read from the data itself
+                        first_batch = False
                         micro_batch_size = micro_batch_size or batch.size
                         history.batch_size = micro_batch_size * accumulate * distributed.world_size()
                         history.sample_name = batch.sample_name
@@ -262,9 +263,8 @@ def fit(
                     )
                 if window.steps:
                     _log(window, history, bar, step_index, epoch, built, precision, peak_lr)
-                tally.replace(
-                    distributed.sum_over_ranks(*tally.tensors()), distributed.sum_over_ranks(tally.samples)[0]
-                )
+                *sums, samples = distributed.sum_over_ranks(*tally.tensors(), tally.samples)  # one all-reduce
+                tally.replace(sums, samples)
                 seconds = time.perf_counter() - epoch_started  # training only, evaluation excluded
                 phase = "evaluation"
                 row = {"epoch": epoch + 1} | tally.read("train_")

@@ -389,6 +389,22 @@ def test_out_of_memory_names_the_forward_and_the_optimizer_step(small_data):
     assert caught.value.phase == "optimizer step"
 
 
+def test_out_of_memory_help_for_dict_batches_of_a_language_model():
+    """A re-iterable of dict batches has no loader batch size: the advice uses the batch fit saw."""
+
+    class RunsOutInBackward(CausalLM):
+        def forward(self, input_ids, labels=None):
+            outputs = super().forward(input_ids, labels)
+            return outputs | {"loss": OutOfMemoryInBackward.apply(outputs["loss"])}
+
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}] * 3
+    with pytest.raises(memory.TrainingOutOfMemoryError, match="in the backward pass") as caught:
+        gk.fit(RunsOutInBackward(), batches, progress=False, device="cpu")
+    assert "batch_size=4, accumulate=2" in str(caught.value)  # half of the 8 sequences, twice
+    assert len(gk.fit(CausalLM(), batches, progress=False, device="cpu").steps) == 1  # the process goes on
+
+
 @cuda
 def test_a_real_out_of_memory_under_the_cap_then_training_goes_on():
     train = shapes(2048, 0)[0]

@@ -122,6 +122,11 @@ def max_batch_size(
     per_example = max((prediction(32).activations - prediction(16).activations) / 16, 1.0)
     fixed = peak(16) - 16 * per_example
     guess = min(max(int((usable - fixed) / per_example), 1), largest)
+    # The peak is a line in the batch size at large sizes: one secant step through the guess's own
+    # peak lands within a few examples of the answer, so the search below takes few predictions.
+    if guess > 32 and peak(guess) != peak(32):
+        slope = (peak(guess) - peak(32)) / (guess - 32)
+        guess = min(max(32 + int((usable - peak(32)) / slope), 1), largest)
     # Bracket the answer around the guess (low fits, high does not), galloping outwards, then bisect.
     if peak(guess) <= usable:
         low, stride = guess, 1

@@ -48,7 +48,6 @@ class Tally:
         zero = torch.zeros((), device=device, dtype=torch.float64)
         self.sums = {"loss": zero.clone(), "correct": zero.clone(), "scored": zero.clone()}
         self.sums |= {name: zero.clone() for name in metrics}
-        self.tokens: torch.Tensor | None = None
 
     def add(self, batch: Batch, loss: torch.Tensor, prediction, model_loss=None) -> None:
         if self.accuracy is None:
@@ -68,9 +67,6 @@ class Tally:
                     if isinstance(value, torch.Tensor):
                         value = value.detach().reshape(()).to(self.sums[name].dtype)
                     self.sums[name] += value * size
-        tokens = batch.count_tokens()
-        if tokens is not None:
-            self.tokens = tokens if self.tokens is None else self.tokens + tokens
 
     def tensors(self) -> list[torch.Tensor]:
         """What ranks add up in a distributed job (with `samples`)."""

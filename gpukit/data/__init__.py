@@ -4,14 +4,17 @@ images.py    `ImageDataset` (images as one uint8 tensor), `shapes()` (synthetic)
 folder.py    `image_folder()`: your own JPEG/PNG files in class folders, decoded once and cached
 text.py      `text()`: byte tokens of local text files; `TokenDataset`; `TextLoader`
 loaders.py   `DeviceLoader` (images on the device, augmented there) and `dataloader()` (PyTorch's)
+bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try; `sweep()` over DataLoader workers
 """
 
+from .bottleneck import Diagnosis, diagnose, plot_sweep, sweep
 from .folder import image_folder
 from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, ImageDataset, cifar10, shapes
 from .loaders import DeviceLoader, dataloader, random_crop_flip
 from .text import VOCAB_SIZE, TextLoader, TokenDataset, decode, encode, text
 
 __all__ = [
-    "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "DeviceLoader", "ImageDataset", "TextLoader",
-    "TokenDataset", "cifar10", "dataloader", "decode", "encode", "image_folder", "random_crop_flip", "shapes", "text",
+    "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "DeviceLoader", "Diagnosis", "ImageDataset",
+    "TextLoader", "TokenDataset", "cifar10", "dataloader", "decode", "diagnose", "encode", "image_folder",
+    "plot_sweep", "random_crop_flip", "shapes", "sweep", "text",
 ]  # fmt: skip

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..env import resolve_device
+from .bottleneck import check_workers
 from .images import ImageDataset
 
 
@@ -183,6 +184,7 @@ def dataloader(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
     if len(dataset) == 0:
         raise ValueError("the dataset is empty; give it at least one image.")
+    check_workers(num_workers, prefetch_factor)
     if augment:
         if not isinstance(dataset, ImageDataset):
             raise TypeError("augment=True needs an ImageDataset; add a transform to your own dataset instead.")
@@ -199,7 +201,7 @@ def dataloader(
         shuffle=shuffle,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        prefetch_factor=prefetch_factor,
         persistent_workers=num_workers > 0,
         drop_last=shuffle if drop_last is None else drop_last,
         generator=torch.Generator().manual_seed(seed),

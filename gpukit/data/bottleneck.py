@@ -1,0 +1,312 @@
+"""Is training waiting for data? `diagnose()` finds the bottleneck; `sweep()` tunes the DataLoader.
+
+`diagnose(loader, model)` times three things on the same batches, for any model and batch form
+(gpukit.step): the loader alone (batches produced and copied to the device), the training step
+alone (repeated on one batch already on the device), and both together as training runs them.
+If the loader alone delivers fewer batches per second than the step consumes, training is
+input-bound: a faster model or GPU changes nothing until the input side is fixed.
+
+`sweep(dataset, batch_size)` measures a DataLoader's batches per second over a grid of
+`num_workers` × `prefetch_factor`; `plot_sweep` draws it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ..env import resolve_device
+from ..precision import Precision, get_precision
+from ..report import Table
+from ..step import Batch, Loss, TrainStep, split_batch, to_device
+
+
+def check_workers(num_workers: int, prefetch_factor: int | None) -> None:
+    """Reject DataLoader worker settings that cannot work; warn about ones that oversubscribe the CPU."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an integer >= 0 (0: load in the training process), got {num_workers!r}.")
+    if prefetch_factor is not None and num_workers == 0:
+        raise ValueError(
+            f"prefetch_factor={prefetch_factor} applies to worker processes (batches each worker loads ahead), but "
+            "num_workers=0; set num_workers >= 1 or leave prefetch_factor=None."
+        )
+    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+        raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}.")
+    cores = os.cpu_count() or 1
+    if num_workers > cores:
+        warnings.warn(
+            f"num_workers={num_workers} is more than the {cores} CPU cores here: the workers and the training process "
+            f"compete for cores and loading gets slower, not faster; try num_workers <= {cores}.",
+            stacklevel=3,
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _on_device(raw, device: torch.device) -> Batch:
+    return to_device(split_batch(raw), device)
+
+
+@dataclass
+class Diagnosis:
+    """What `diagnose` measured. Rates are optimizer steps (batches) per second.
+
+    data_wait_fraction: the share of the combined run's time the training loop spent waiting for the
+        next batch (inside next(loader) and the copy to the device), measured on the host.
+    """
+
+    loader_steps_per_second: float
+    step_steps_per_second: float
+    together_steps_per_second: float
+    data_wait_fraction: float
+    batch_size: int
+    steps: int
+    device: str
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """'input-bound' when the loader alone is slower than the step alone, else 'compute-bound'."""
+        return "input-bound" if self.loader_steps_per_second < self.step_steps_per_second else "compute-bound"
+
+    @property
+    def input_bound(self) -> bool:
+        return self.verdict == "input-bound"
+
+    def table(self) -> Table:
+        rows = [
+            {"measured": "loader alone", "steps_per_second": self.loader_steps_per_second},
+            {"measured": "training step alone (one resident batch)", "steps_per_second": self.step_steps_per_second},
+            {"measured": "both together", "steps_per_second": self.together_steps_per_second},
+        ]
+        for row in rows:
+            row["samples_per_second"] = row["steps_per_second"] * self.batch_size
+        return Table(rows, title=f"{self.verdict}: {self.data_wait_fraction:.0%} of step time waiting for data "
+                                 f"({self.steps} steps of {self.batch_size} on {self.device})")  # fmt: skip
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.verdict} on {self.device}: loader {self.loader_steps_per_second:.1f} steps/s, step alone "
+            f"{self.step_steps_per_second:.1f} steps/s, together {self.together_steps_per_second:.1f} steps/s; "
+            f"{self.data_wait_fraction:.0%} of the time waiting for data.",
+            "What to try, in order:",
+        ]
+        lines += [f"  {number}. {line}" for number, line in enumerate(self.advice, 1)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        advice = "".join(f"<li>{line}</li>" for line in self.advice)
+        return self.table()._repr_html_() + f"<p>What to try, in order:</p><ol>{advice}</ol>"
+
+
+def _advice(loader, device: torch.device, input_bound: bool) -> list[str]:
+    cores = os.cpu_count() or 1
+    if not input_bound:
+        return [
+            "the input keeps up: speed up the step itself (mixed precision, channels_last, torch.compile, a larger "
+            "batch), or feed it from a smaller machine; more loader workers will not help.",
+        ]
+    advice = []
+    if isinstance(loader, DataLoader):
+        if loader.num_workers == 0:
+            advice.append(f"load in worker processes: num_workers=2..{cores} (this machine has {cores} CPU cores).")
+        else:
+            if not loader.persistent_workers:
+                advice.append(
+                    "persistent_workers=True: keep the workers alive between epochs instead of restarting them."
+                )
+            advice.append(f"a larger prefetch_factor (now {loader.prefetch_factor}) or more workers "
+                          f"(now {loader.num_workers}, {cores} cores): gk.data.sweep() measures both.")  # fmt: skip
+        if device.type == "cuda" and not loader.pin_memory:
+            advice.append(
+                "pin_memory=True, so the copy to the GPU runs asynchronously (fit overlaps it on a side stream)."
+            )
+    else:
+        advice.append("load in DataLoader worker processes (num_workers >= 2) with persistent_workers=True.")
+    advice += [
+        "read a packed format (tar shards: gk.data.write_shards / ShardLoader) or a decoded uint8 array "
+        "(gk.data.write_array) instead of many small files.",
+        "decode and augment on the GPU, in batches (torchvision.io.decode_jpeg(device='cuda'), transforms.v2 on "
+        "batched tensors).",
+        "keep the whole dataset on the device when it fits (gk.data.DeviceLoader): no per-batch host work at all.",
+    ]
+    return advice
+
+
+def diagnose(
+    loader: Iterable,
+    model: nn.Module,
+    *,
+    steps: int = 20,
+    warmup: int = 2,
+    device: str | torch.device | None = None,
+    precision: str | Precision = "fp32",
+    loss_fn: str | Callable | None = None,
+    optimizer: Callable[[Iterable], torch.optim.Optimizer] | None = None,
+) -> Diagnosis:
+    """Time the loader alone, the training step alone and both together, and say which is the bottleneck.
+
+    loader: anything that yields batches of a form gpukit.step accepts (a DataLoader, a DeviceLoader, a
+        list of batches, a ShardLoader). Each measurement reads `warmup + steps` batches, starting the
+        loader again if it is shorter. The warm-up batches (worker start-up) are not timed.
+    model: trained on a copy (an SGD step with a small learning rate unless `optimizer` builds another),
+        so your model and its gradients are left as they were.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer (batches timed per measurement), got {steps!r}.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
+    device = resolve_device(device)
+    precision = get_precision(precision, device)
+    trained = copy.deepcopy(model).to(device).train()
+    built = optimizer(trained.parameters()) if optimizer else torch.optim.SGD(trained.parameters(), lr=1e-3)
+    train_step = TrainStep(trained, built, precision, Loss(loss_fn))
+
+    # 1. The loader alone: produce each batch and copy it to the device.
+    seconds, first = _time_loader(loader, device, warmup, steps)
+    loader_rate = steps / seconds
+
+    # 2. The step alone, on one batch already on the device: what the step could do if data were free.
+    with precision.flags():
+        for _ in range(warmup):
+            train_step(first)
+        _synchronize(device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            train_step(first)
+        _synchronize(device)
+        step_rate = steps / (time.perf_counter() - started)
+
+        # 3. Both together, as fit runs them; time blocked waiting for the next batch counts as data wait.
+        waited, started = 0.0, time.perf_counter()
+        batches = _cycle(loader, warmup + steps)
+        for index in range(warmup + steps):
+            if index == warmup:
+                _synchronize(device)
+                waited, started = 0.0, time.perf_counter()
+            before = time.perf_counter()
+            batch = _on_device(next(batches), device)
+            waited += time.perf_counter() - before
+            train_step(batch)
+        _synchronize(device)
+        elapsed = time.perf_counter() - started
+    together_rate = steps / elapsed
+    diagnosis = Diagnosis(
+        loader_steps_per_second=loader_rate,
+        step_steps_per_second=step_rate,
+        together_steps_per_second=together_rate,
+        data_wait_fraction=min(waited / elapsed, 1.0),
+        batch_size=first.size,
+        steps=steps,
+        device=str(device),
+    )
+    diagnosis.advice = _advice(loader, device, diagnosis.input_bound)
+    return diagnosis
+
+
+def _cycle(loader: Iterable, count: int) -> Iterator:
+    """`count` raw batches, starting the loader again when it runs out (a short loader is read several times)."""
+    produced = 0
+    while produced < count:
+        empty = True
+        for raw in loader:
+            empty = False
+            yield raw
+            produced += 1
+            if produced == count:
+                return
+        if empty:
+            raise ValueError(
+                f"the loader (a {type(loader).__name__}) yielded no batch{' on a second pass' if produced else ''}: "
+                "check that its dataset is not empty and that batch_size with drop_last leaves a batch, and pass a "
+                "re-iterable (a list, a Dataset's loader), not a used-up generator."
+            )
+
+
+def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int) -> tuple[float, Batch]:
+    """(seconds for `steps` batches after `warmup` ones, the first batch on the device)."""
+    first, started = None, time.perf_counter()
+    for index, raw in enumerate(_cycle(loader, warmup + steps)):
+        if index == warmup:
+            _synchronize(device)
+            started = time.perf_counter()
+        batch = _on_device(raw, device)
+        first = batch if first is None else first
+    _synchronize(device)
+    return time.perf_counter() - started, first
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep over DataLoader settings
+
+
+def loader_rate(loader: Iterable, batches: int, device: str | torch.device = "cpu", warmup: int = 1) -> float:
+    """Batches per second a loader delivers to `device`, after `warmup` batches (worker start-up excluded)."""
+    device = resolve_device(device)
+    seconds, _ = _time_loader(loader, device, warmup, batches)
+    return batches / seconds
+
+
+def sweep(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    num_workers: Sequence[int] = (0, 1, 2),
+    prefetch_factor: Sequence[int] = (2, 4),
+    batches: int = 10,
+    device: str | torch.device = "cpu",
+    **loader_options,
+) -> Table:
+    """Batches and samples per second of a DataLoader over `num_workers` × `prefetch_factor`.
+
+    With 0 workers prefetch_factor does not apply: one row, prefetch_factor None. Workers are
+    persistent and the first batch (their start-up) is not timed. `loader_options` go to DataLoader.
+    """
+    for workers in num_workers:
+        check_workers(workers, None)
+    rows = []
+    for workers in num_workers:
+        for factor in (None,) if workers == 0 else prefetch_factor:
+            check_workers(workers, factor)
+            loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, prefetch_factor=factor,
+                                persistent_workers=workers > 0, **loader_options)  # fmt: skip
+            rate = loader_rate(loader, batches, device)
+            rows.append({"num_workers": workers, "prefetch_factor": factor, "batches_per_second": rate,
+                         "samples_per_second": rate * batch_size})  # fmt: skip
+            del loader  # ends its workers before the next setting starts its own
+    return Table(rows, title=f"DataLoader throughput, batch size {batch_size}")
+
+
+def plot_sweep(table: Table, title: str = "DataLoader throughput"):
+    """samples/s against num_workers, one line per prefetch_factor."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5, 3.5))
+    rows = table.rows
+    factors = sorted({row["prefetch_factor"] for row in rows if row["prefetch_factor"] is not None})
+    baseline = [row for row in rows if row["prefetch_factor"] is None]
+    for factor in factors:
+        line = baseline + [row for row in rows if row["prefetch_factor"] == factor]
+        axes.plot([row["num_workers"] for row in line], [row["samples_per_second"] for row in line], marker="o",
+                  label=f"prefetch_factor={factor}")  # fmt: skip
+    if not factors:
+        axes.plot([row["num_workers"] for row in rows], [row["samples_per_second"] for row in rows], marker="o")
+    axes.set_xlabel("num_workers")
+    axes.set_ylabel("samples / s")
+    axes.set_title(title)
+    axes.set_ylim(bottom=0)
+    if factors:
+        axes.legend()
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,138 @@
+"""gk.data.diagnose: input-bound vs compute-bound on loaders built to be one or the other; DataLoader checks."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import gpukit as gk
+from gpukit.data.bottleneck import check_workers
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads can spin-wait a 1 ms step into 90 ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class SlowImages(Dataset):
+    """Images that take `delay` seconds each to 'load': a loader made slow on purpose."""
+
+    def __init__(self, count=64, delay=0.01):
+        self.images = torch.randn(count, 3, 16, 16)
+        self.labels = torch.randint(0, 10, (count,))
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        return self.images[index], self.labels[index]
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)
+    )
+
+
+def test_a_slow_loader_is_input_bound(device):
+    loader = DataLoader(SlowImages(), batch_size=8)  # 8 × 10 ms = 80 ms per batch; the step takes ~1 ms
+    diagnosis = gk.data.diagnose(loader, small_cnn(), steps=4, warmup=1, device=device)
+    assert diagnosis.verdict == "input-bound", diagnosis
+    assert diagnosis.loader_steps_per_second < diagnosis.step_steps_per_second
+    # Measured independently: the loop's time blocked in next(loader) dominates the combined run.
+    assert diagnosis.data_wait_fraction > 0.5, diagnosis
+    assert "num_workers" in diagnosis.advice[0]  # the first thing to try on a 0-worker DataLoader
+    assert "input-bound" in str(diagnosis) and diagnosis.table().rows
+
+
+def test_resident_data_is_compute_bound(device):
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+    train, _ = gk.data.shapes(128, 16, seed=0)
+    loader = gk.data.DeviceLoader(train, 16, device=device)  # batches gathered from tensors already in memory
+    diagnosis = gk.data.diagnose(loader, model, steps=4, warmup=1, device=device)
+    assert diagnosis.verdict == "compute-bound", diagnosis
+    assert diagnosis.data_wait_fraction < 0.5, diagnosis
+    assert diagnosis.together_steps_per_second <= diagnosis.loader_steps_per_second
+
+
+def test_token_batches_of_a_language_model(device):
+    model = gk.models.gpt(max_seq_len=16, width=16, depth=1, heads=2)
+    tokens = torch.randint(0, 256, (8, 17))
+    batches = [(tokens[:, :-1], tokens[:, 1:])] * 2  # (B, T) inputs and targets; a list is read again as needed
+    slow = gk.data.diagnose(_slowly(batches, 0.05), model, steps=3, warmup=1, device=device)
+    assert slow.verdict == "input-bound" and slow.batch_size == 8
+    dict_batches = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}]  # model(**batch), labels as target
+    model_dict = DictGPT(model)
+    assert gk.data.diagnose(dict_batches, model_dict, steps=2, warmup=0, device=device).verdict == "compute-bound"
+
+
+class DictGPT(nn.Module):
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, input_ids, labels=None):
+        return {"logits": self.gpt(input_ids)}
+
+
+class _slowly:
+    """A re-iterable that sleeps before each batch."""
+
+    def __init__(self, batches, delay):
+        self.batches, self.delay = batches, delay
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(self.delay)
+            yield batch
+
+
+def test_the_model_is_left_untouched(device):
+    model = small_cnn()
+    before = [p.detach().clone() for p in model.parameters()]
+    gk.data.diagnose([(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))], model, steps=2, device=device)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loader_that_yields_nothing(device):
+    with pytest.raises(ValueError, match="yielded no batch"):
+        gk.data.diagnose([], small_cnn(), device=device)
+    empty = DataLoader(TensorDataset(torch.randn(3, 3, 8, 8), torch.zeros(3, dtype=torch.long)), batch_size=4,
+                       drop_last=True)  # fmt: skip
+    with pytest.raises(ValueError, match="drop_last"):
+        gk.data.diagnose(empty, small_cnn(), device=device)
+    with pytest.raises(ValueError, match="steps"):
+        gk.data.diagnose([1], small_cnn(), steps=0, device=device)
+
+
+def test_worker_settings_that_cannot_work():
+    train, _ = gk.data.shapes(32, 8, seed=0)
+    with pytest.raises(ValueError, match="prefetch_factor=4 applies to worker processes"):
+        gk.data.dataloader(train, 8, num_workers=0, prefetch_factor=4)
+    cores = os.cpu_count()
+    with pytest.warns(UserWarning, match=f"more than the {cores} CPU cores"):
+        check_workers(cores + 1, None)
+    with pytest.raises(ValueError, match="num_workers must be"):
+        gk.data.dataloader(train, 8, num_workers=-1)
+
+
+def test_sweep_measures_every_setting_and_plots():
+    dataset = TensorDataset(torch.randn(64, 3, 8, 8), torch.zeros(64, dtype=torch.long))
+    table = gk.data.sweep(dataset, 8, num_workers=(0, 1), prefetch_factor=(2,), batches=3)
+    settings = [(row["num_workers"], row["prefetch_factor"]) for row in table.rows]
+    assert settings == [(0, None), (1, 2)]
+    assert all(row["samples_per_second"] > 0 for row in table.rows)
+    figure = gk.data.plot_sweep(table)
+    assert figure.axes[0].get_xlabel() == "num_workers"

@@ -1,0 +1,141 @@
+"""Storage formats: files, WebDataset shards and a memory-mapped array hold the same images; shards stream
+through fit deterministically; the page cache is really evicted; bad stores give errors that name the problem."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import gpukit as gk
+from gpukit.data.pagecache import evict, resident_bytes
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads spin-wait a step 20× slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    train, _ = gk.data.shapes(96, 8, seed=0)
+    return train
+
+
+@pytest.fixture
+def shards(dataset, tmp_path):
+    return gk.data.write_shards(dataset, tmp_path / "shards", samples_per_shard=32, format="png")
+
+
+def test_every_format_holds_the_same_images(dataset, tmp_path):
+    png = gk.data.FileImages(gk.data.write_files(dataset, tmp_path / "png", format="png"))
+    array = gk.data.ArrayImages(gk.data.write_array(dataset, tmp_path / "array"))
+    assert len(png) == len(array) == len(dataset)
+    for index in (0, 17, 95):  # PNG and the array are lossless: exactly the original pixels
+        assert torch.equal(array[index][0], dataset.images[index])
+        assert torch.equal(array[index][1], dataset.labels[index])
+    by_file = {path.stem: png[i] for i, path in enumerate(png.paths)}
+    image, label = by_file["0000017"]
+    assert torch.equal(image, dataset.images[17]) and label == dataset.labels[17]
+    # JPEG is lossy but close; the files folder is what image_folder reads.
+    jpeg_root = gk.data.write_files(dataset, tmp_path / "jpeg", format="jpeg", quality=95)
+    folder = gk.data.image_folder(jpeg_root, size=32, progress=False)
+    assert folder.classes == tuple(sorted(dataset.classes)) and len(folder) == len(dataset)
+    error = (folder.images.float() - gk.data.FileImages(jpeg_root).__getitem__(0)[0].float()[None]).abs()
+    assert error.min() < 1e-6  # one of them is the same image
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary folder left behind
+
+
+def test_shards_stream_every_sample_once_and_replay_by_seed(dataset, shards):
+    loader = gk.data.ShardLoader(shards, 16, shuffle_buffer=40, num_workers=2, drop_last=False, normalize=False, seed=3)
+    first = list(loader)
+    images = torch.cat([batch[0] for batch in first])
+    assert len(images) == len(dataset) and len(first) == len(loader)
+    original = {bytes(image.numpy()) for image in dataset.images}
+    assert {bytes(image.numpy()) for image in images} == original  # PNG: lossless, every image exactly once
+    replay = gk.data.ShardLoader(shards, 16, shuffle_buffer=40, num_workers=2, drop_last=False, normalize=False,
+                                 seed=3)  # fmt: skip
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, replay))  # same seed, epoch and workers: same batches
+    second = torch.cat([batch[0] for batch in loader])  # the next epoch is shuffled differently
+    assert not torch.equal(second, images)
+    unshuffled = torch.cat([b[1] for b in gk.data.ShardLoader(shards, 16, shuffle=False, normalize=False)])
+    assert torch.equal(unshuffled, dataset.labels)
+
+
+def test_shards_train_with_fit(shards, device):
+    loader = gk.data.ShardLoader(shards, 16, num_workers=1, shuffle_buffer=32, seed=0)
+    history = gk.fit(gk.models.fast_cnn(8), loader, epochs=2, lr=0.05, device=device, progress=False, log_every=2)
+    assert len(history.epochs) == 2 and loader.epoch == 1  # fit set the epoch of each pass
+    assert history.steps[-1]["loss"] > 0 and history.sample_name == "image"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page-cache eviction is Linux's posix_fadvise")
+def test_cold_reads_are_cold(dataset, tmp_path):
+    store = gk.data.ArrayImages(gk.data.write_array(dataset, tmp_path / "array"))
+    files = store.files()
+    store[0]  # maps and reads the array
+    assert resident_bytes(files) > 0
+    store.close()
+    evict(files)
+    assert resident_bytes(files) == 0
+    for kind in (store, gk.data.ShardLoader(gk.data.write_shards(dataset, tmp_path / "s", samples_per_shard=50), 8)):
+        cold = gk.data.read_throughput(kind, cold=True)
+        warm = gk.data.read_throughput(kind, cold=False)
+        assert cold["resident_before"] == 0 and warm["resident_before"] is None
+        assert cold["samples"] == warm["samples"] == len(dataset) and cold["bytes_on_disk"] > 0
+
+
+def test_truncated_and_corrupt_shards_name_the_shard_and_sample(shards):
+    path = shards / "shard-000001.tar"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(gk.data.ShardError, match=r"shard-000001\.tar is truncated: sample '00000\d\d' is incomplete"):
+        list(gk.data.ShardLoader(shards, 8, shuffle=False))
+    # Without the member index (shards written by another tool) WebDataset's tar parser finds it too.
+    index = json.loads((shards / ".index.json").read_text())
+    for shard in index["shards"]:
+        del shard["members"]
+    (shards / ".index.json").write_text(json.dumps(index))
+    with pytest.raises(gk.data.ShardError, match=r"shard-000001\.tar .*truncated.* sample '00000\d\d'"):
+        list(gk.data.ShardLoader(shards, 8, shuffle=False))
+    path.write_bytes(b"")
+    with pytest.raises(gk.data.ShardError, match=r"shard-000001\.tar is empty"):
+        list(gk.data.ShardLoader(shards, 8, shuffle=False))
+
+
+def test_a_sample_that_cannot_be_decoded(shards):
+    path = shards / "shard-000000.tar"
+    index = json.loads((shards / ".index.json").read_text())
+    name, offset, size = [m for m in index["shards"][0]["members"] if m[0].endswith(".png")][1]  # 2nd sample's image
+    data = bytearray(path.read_bytes())
+    data[offset : offset + size] = b"\0" * size
+    path.write_bytes(bytes(data))
+    with pytest.raises(gk.data.ShardError, match=rf"cannot decode sample '{name.split('.')[0]}' \(png\) in shard .*"
+                                                 r"shard-000000\.tar"):  # fmt: skip
+        list(gk.data.ShardLoader(shards, 8, shuffle=False))
+
+
+def test_bad_stores(dataset, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no folder .*write_shards"):
+        gk.data.ShardLoader(tmp_path / "nowhere", 8)
+    (tmp_path / "half").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .index.json"):
+        gk.data.ShardLoader(tmp_path / "half", 8)
+    shards = gk.data.write_shards(dataset, tmp_path / "shards", samples_per_shard=50)
+    (shards / "shard-000001.tar").unlink()
+    with pytest.raises(gk.data.ShardError, match="shard-000001.tar listed in .* missing"):
+        gk.data.ShardLoader(shards, 8)
+    with pytest.raises(ValueError, match="prefetch_factor=2 applies to worker processes"):
+        gk.data.ShardLoader(gk.data.write_shards(dataset, tmp_path / "ok"), 8, prefetch_factor=2)
+    files = gk.data.write_files(dataset.subset(20), tmp_path / "files")
+    (files / dataset.classes[0] / "picture.bmp").write_bytes(b"BM")
+    with pytest.raises(ValueError, match=r"cannot decode .*picture\.bmp: \.bmp is not an image format"):
+        gk.data.FileImages(files)
+    with pytest.raises(ValueError, match="empty"):
+        gk.data.write_array(dataset.subset(0), tmp_path / "empty")
+    with pytest.raises(ValueError, match="format='gif' is unknown"):
+        gk.data.write_files(dataset, tmp_path / "gif", format="gif")

@@ -139,3 +139,33 @@ def test_bad_stores(dataset, tmp_path):
         gk.data.write_array(dataset.subset(0), tmp_path / "empty")
     with pytest.raises(ValueError, match="format='gif' is unknown"):
         gk.data.write_files(dataset, tmp_path / "gif", format="gif")
+
+
+def test_decode_paths_agree_and_the_table_skips_gpu_rows_honestly(dataset):
+    from gpukit.data.decoding import decode_pil
+    from gpukit.data.formats import encode
+
+    encoded = [encode(image, "jpeg", 95) for image in dataset.images[:8]]
+    batched = gk.data.decode_batch(encoded)
+    for data, image in zip(encoded, batched):  # libjpeg-turbo behind both: the same pixels, within rounding
+        assert (decode_pil(data).int() - image.int()).abs().max() <= 2
+    table = gk.data.decode_table(encoded, size=24, batch_size=4, num_workers=0, repeats=1)
+    cuda_rows = [row for row in table.rows if row["device"] == "cuda"]
+    assert len(cuda_rows) == 2
+    if not torch.cuda.is_available():
+        assert all(row["images_per_second"] is None and row["note"] == "skipped: no GPU" for row in cuda_rows)
+        with pytest.raises(RuntimeError, match="no CUDA GPU is available here; decode on the CPU"):
+            gk.data.decode_batch(encoded, "cuda")
+    assert all(row["images_per_second"] > 0 for row in table.rows if row["device"] == "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_matches_cpu_decode(dataset):
+    from gpukit.data.formats import encode
+
+    encoded = [encode(image, "jpeg", 95) for image in dataset.images[:8]]
+    on_gpu = gk.data.decode_batch(encoded, "cuda")
+    for cpu, gpu in zip(gk.data.decode_batch(encoded), on_gpu):
+        assert (
+            gpu.is_cuda and (cpu.int() - gpu.cpu().int()).abs().float().mean() < 2
+        )  # different IDCTs round differently

@@ -6,11 +6,13 @@ text.py      `text()`: byte tokens of local text files; `TokenDataset`; `TextLoa
 loaders.py   `DeviceLoader` (images on the device, augmented there) and `dataloader()` (PyTorch's)
 formats.py   the same images as files, as one uint8 array (memory-mapped); read throughput cold and warm
 shards.py    `write_shards()`, `ShardLoader`: WebDataset tar shards streamed through DataLoader workers
+decoding.py  JPEG decoding with PIL, torchvision on the CPU or the GPU, augmentation in workers or batched
 pagecache.py evict files from the page cache and measure how much of them it holds
 bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try; `sweep()` over DataLoader workers
 """
 
 from .bottleneck import Diagnosis, diagnose, plot_sweep, sweep
+from .decoding import decode_batch, decode_table
 from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
 from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, ImageDataset, cifar10, shapes
@@ -21,6 +23,6 @@ from .text import VOCAB_SIZE, TextLoader, TokenDataset, decode, encode, text
 __all__ = [
     "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "ArrayImages", "DeviceLoader", "Diagnosis",
     "FileImages", "ImageDataset", "ShardError", "ShardLoader", "TextLoader", "TokenDataset", "cifar10", "dataloader",
-    "decode", "diagnose", "encode", "image_folder", "plot_sweep", "random_crop_flip", "read_throughput", "shapes",
+    "decode", "decode_batch", "decode_table", "diagnose", "encode", "image_folder", "plot_sweep", "random_crop_flip", "read_throughput", "shapes",
     "sweep", "text", "write_array", "write_files", "write_shards",
 ]  # fmt: skip

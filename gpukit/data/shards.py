@@ -27,14 +27,22 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset import TarWriter
-from webdataset import shuffle as shuffle_stage
-from webdataset.tariterators import tar_file_iterator
 
 from ..files import write_atomic
 from .bottleneck import check_workers
 from .formats import INDEX, _check_dataset, _fresh_folder, _metadata, _publish, decode, encode, read_index
 from .images import ImageDataset
+
+
+def _webdataset():
+    """The webdataset package, an optional dependency: `pip install "gpukit[data]"`."""
+    try:
+        import webdataset
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "tar shards need the webdataset package: pip install 'gpukit[data]' (or pip install webdataset)."
+        ) from None
+    return webdataset
 
 
 class ShardError(ValueError):
@@ -63,7 +71,7 @@ def write_shards(dataset: ImageDataset, root: str | os.PathLike, *, samples_per_
         name = f"shard-{number:06d}.tar"
         stop = min(start + samples_per_shard, len(dataset))
         with open(temporary / name, "wb") as file:
-            with TarWriter(file, mtime=0) as writer:  # an integer mtime: no PAX header per member
+            with _webdataset().TarWriter(file, mtime=0) as writer:  # an integer mtime: no PAX header per member
                 for index in range(start, stop):
                     writer.write({"__key__": f"{index:07d}", extension: encode(dataset.images[index], format, quality),
                                   "cls": str(labels[index])})  # fmt: skip
@@ -107,7 +115,7 @@ def read_shard(path: Path, expected: int | None = None, members: list | None = N
         if path.stat().st_size == 0:
             raise ShardError(f"shard {path} is empty (0 bytes); write the shards again with gk.data.write_shards.")
         with open(path, "rb") as file:
-            for member in tar_file_iterator(file):
+            for member in _webdataset().tariterators.tar_file_iterator(file):
                 stem, _, extension = member["fname"].partition(".")
                 if stem != key:
                     if key is not None:
@@ -211,7 +219,7 @@ class ShardDataset(IterableDataset):
         stream = self._samples(self.worker_shards(worker, workers))
         if self.shuffle and self.shuffle_buffer > 1:
             rng = random.Random(_seed(self.seed, self.epoch, worker + 1))
-            stream = shuffle_stage(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)
+            stream = _webdataset().shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)
         return iter(stream)
 
 

@@ -147,7 +147,6 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
     rows.append({"path": f"decode + transforms.v2 per image, {workers} DataLoader workers", "device": "cpu",
                  "cpu_cores_used": f"{workers} worker processes, 1 thread each",
                  "images_per_second": best(lambda: [batch for batch in loader])})  # fmt: skip
-    del loader
 
     rows.append({"path": "decode batched + transforms.v2 on the batch", "device": "cpu",
                  "cpu_cores_used": f"1 process, up to {threads} threads",

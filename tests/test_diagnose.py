@@ -136,3 +136,47 @@ def test_sweep_measures_every_setting_and_plots():
     assert all(row["samples_per_second"] > 0 for row in table.rows)
     figure = gk.data.plot_sweep(table)
     assert figure.axes[0].get_xlabel() == "num_workers"
+
+
+def test_prefetch_is_a_pass_through_off_cuda(device):
+    loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.zeros(8, dtype=torch.long)), batch_size=4)
+    assert gk.data.prefetch(loader, device) is loader
+    with pytest.raises(ValueError, match="CUDA device"):
+        gk.data.CUDAPrefetcher(loader, device)
+
+
+def test_trace_steps_draws_the_host_phases_and_exports_a_chrome_trace(device, tmp_path):
+    loader = DataLoader(SlowImages(32, delay=0.002), batch_size=4)
+    trace = gk.data.trace_steps(loader, small_cnn(), steps=3, device=device, chrome_trace=tmp_path / "trace.json")
+    assert trace.steps == 3 and len(trace.rows["data wait"]) == 3 and len(trace.rows["step"]) == 3
+    assert trace.total("data wait") >= 3 * 4 * 2 * 0.9  # 4 images × 2 ms slept per batch, in ms
+    assert (tmp_path / "trace.json").stat().st_size > 0 and trace.hidden_copy_fraction() is None
+    figure = gk.data.plot_timeline(trace)
+    assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == ["data wait (host)", "step (host)"]
+
+
+@pytest.mark.gpu
+def test_the_prefetcher_delivers_the_same_batches_and_hides_the_copy():
+    device = torch.device("cuda")
+    images, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    loader = DataLoader(TensorDataset(images, labels), batch_size=8, pin_memory=True)
+    seen = []
+    for batch in gk.data.prefetch(loader, device):
+        assert batch.args[0].is_cuda
+        seen.append(batch.args[0].cpu())
+        torch.cuda._sleep(1_000_000)  # keep the compute stream busy: a missing wait_stream would show stale data
+    assert torch.equal(torch.cat(seen), images)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))  # fmt: skip
+    big = DataLoader(TensorDataset(torch.randn(512, 3, 64, 64), torch.randint(0, 10, (512,))), batch_size=64,
+                     pin_memory=True)  # fmt: skip
+    trace = gk.data.trace_steps(big, model, steps=6, device=device)
+    assert trace.hidden_copy_fraction() >= 0.9, trace.hidden_copy_fraction()
+
+
+@pytest.mark.gpu
+def test_fit_trains_through_the_prefetcher_on_cuda():
+    loader = DataLoader(TensorDataset(torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,))), batch_size=16,
+                        pin_memory=True)  # fmt: skip
+    history = gk.fit(small_cnn(), loader, epochs=1, device="cuda", progress=False, log_every=1)
+    assert len(history.steps) == 4

@@ -7,6 +7,8 @@ loaders.py   `DeviceLoader` (images on the device, augmented there) and `dataloa
 formats.py   the same images as files, as one uint8 array (memory-mapped); read throughput cold and warm
 shards.py    `write_shards()`, `ShardLoader`: WebDataset tar shards streamed through DataLoader workers
 decoding.py  JPEG decoding with PIL, torchvision on the CPU or the GPU, augmentation in workers or batched
+prefetch.py  `prefetch()`: copy the next batch to the GPU on a side stream while the step runs
+timeline.py  `trace_steps()`: a torch.profiler trace of the pipeline, drawn by `plot_timeline()`
 pagecache.py evict files from the page cache and measure how much of them it holds
 bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try; `sweep()` over DataLoader workers
 """
@@ -17,12 +19,14 @@ from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
 from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, ImageDataset, cifar10, shapes
 from .loaders import DeviceLoader, dataloader, random_crop_flip
+from .prefetch import CUDAPrefetcher, prefetch
 from .shards import ShardError, ShardLoader, write_shards
 from .text import VOCAB_SIZE, TextLoader, TokenDataset, decode, encode, text
+from .timeline import Trace, plot_timeline, trace_steps
 
 __all__ = [
-    "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "ArrayImages", "DeviceLoader", "Diagnosis",
+    "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "ArrayImages", "CUDAPrefetcher", "DeviceLoader", "Diagnosis",
     "FileImages", "ImageDataset", "ShardError", "ShardLoader", "TextLoader", "TokenDataset", "cifar10", "dataloader",
-    "decode", "decode_batch", "decode_table", "diagnose", "encode", "image_folder", "plot_sweep", "random_crop_flip", "read_throughput", "shapes",
+    "decode", "decode_batch", "decode_table", "diagnose", "encode", "image_folder", "plot_sweep", "plot_timeline", "prefetch", "trace_steps", "Trace", "random_crop_flip", "read_throughput", "shapes",
     "sweep", "text", "write_array", "write_files", "write_shards",
 ]  # fmt: skip

@@ -8,7 +8,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .. import distributed
-from ..data import DeviceLoader, ImageDataset, TextLoader, TokenDataset
+from ..data import DeviceLoader, ImageDataset, ShardLoader, TextLoader, TokenDataset
+from ..data.prefetch import prefetch
 from ..step import Batch, split_batch, to_device
 
 DEVICE_LOADERS = (DeviceLoader, TextLoader)  # loaders that keep the whole dataset on the device
@@ -71,6 +72,13 @@ def length(loader) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def batches(loader, device: torch.device) -> Iterable:
+    """What the training loop iterates over: a host-side loader (DataLoader, ShardLoader) on a CUDA device
+    copies each next batch on a side stream while the current step runs (gk.data.prefetch); any other
+    loader as it is (device-resident ones need no copy)."""
+    return prefetch(loader, device) if isinstance(loader, (DataLoader, ShardLoader)) else loader
 
 
 def prepare(raw, device: torch.device, channels_last: bool) -> Batch:

@@ -23,7 +23,7 @@ from ..optim import DEFAULT_LR, SCHEDULES, check_lr, make_optimizer, make_schedu
 from ..precision import Precision, get_precision
 from ..step import Batch, Loss, TrainStep
 from .checkpoint import Checkpointer
-from .data import as_loader, length, prepare
+from .data import as_loader, batches, length, prepare
 from .evaluate import evaluate
 from .history import History
 from .tally import Tally, check_metrics
@@ -220,7 +220,7 @@ def fit(
                     torch.cuda.reset_peak_memory_stats(device)
                 tally, window = Tally(device, loss, metrics), _Window(device)
                 micro = 0
-                for raw in loader:
+                for raw in batches(loader, device):
                     if steps_per_epoch is not None and micro == steps_per_epoch * accumulate:
                         break  # leftover micro-batches would leave gradients behind for the next step
                     batch = prepare(raw, device, channels_last)

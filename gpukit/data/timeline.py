@@ -1,0 +1,130 @@
+"""See the input pipeline overlap: a torch.profiler trace of a few training steps, drawn as a timeline.
+
+`trace_steps(loader, model)` runs steps the way `fit` does (batches through `prefetch`, one TrainStep
+each) under torch.profiler, labels the host's phases ("data wait": inside next(loader); "step": the
+forward, backward and optimizer step as launched), exports the Chrome/Perfetto trace, and returns the
+intervals per row. On a GPU the device rows come from the trace's own CUDA events: "copy" (memcpy
+host→device) and "compute" (every other kernel). Overlap means copy bars under compute bars.
+"""
+
+from __future__ import annotations
+
+import copy as copying
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..env import resolve_device
+from ..precision import get_precision
+from ..step import Loss, TrainStep, split_batch, to_device
+from .prefetch import prefetch
+
+HOST_PHASES = ("data wait", "step")
+
+
+@dataclass
+class Trace:
+    """Intervals (start, duration) in milliseconds from the trace's start, per row."""
+
+    rows: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    steps: int = 0
+    device: str = "cpu"
+    chrome_trace: str | None = None
+
+    def total(self, row: str) -> float:
+        """Milliseconds covered by one row's intervals."""
+        return sum(duration for _, duration in self.rows.get(row, []))
+
+    def hidden_copy_fraction(self) -> float | None:
+        """The share of the copy time that ran while a compute kernel ran too; None without copies."""
+        copies, kernels = self.rows.get("copy", []), self.rows.get("compute", [])
+        total = sum(duration for _, duration in copies)
+        if not total:
+            return None
+        return _overlap(copies, kernels) / total
+
+
+def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
+    merged = _merge(second)
+    covered = 0.0
+    for start, duration in first:
+        end = start + duration
+        for other_start, other_end in merged:
+            covered += max(0.0, min(end, other_end) - max(start, other_start))
+    return covered
+
+
+def _merge(intervals):
+    merged = []
+    for start, duration in sorted(intervals):
+        end = start + duration
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def trace_steps(loader: Iterable, model: nn.Module, *, steps: int = 6, device: str | torch.device | None = None,
+                precision: str = "fp32", loss_fn: str | Callable | None = None,
+                chrome_trace: str | os.PathLike | None = None) -> Trace:  # fmt: skip
+    """Profile `steps` training steps on a copy of `model` fed by `loader` (through `prefetch` on CUDA)."""
+    device = resolve_device(device)
+    precision = get_precision(precision, device)
+    trained = copying.deepcopy(model).to(device).train()
+    step = TrainStep(trained, torch.optim.SGD(trained.parameters(), lr=1e-3), precision, Loss(loss_fn))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    source = iter(prefetch(loader, device))
+    with precision.flags():
+        step(next(source))  # warm-up outside the trace: first-call costs are not the pipeline's
+        with profile(activities=activities) as profiler:
+            done = 0
+            while done < steps:
+                with record_function("data wait"):
+                    raw = next(source, None)
+                if raw is None:
+                    break
+                with record_function("step"):
+                    step(to_device(split_batch(raw), device))
+                done += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    if chrome_trace is not None:
+        profiler.export_chrome_trace(str(chrome_trace))
+    return _intervals(profiler.events(), done, str(device), None if chrome_trace is None else str(chrome_trace))
+
+
+def _intervals(events, steps: int, device: str, path: str | None) -> Trace:
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in HOST_PHASES}
+    if device.startswith("cuda"):
+        rows |= {"copy": [], "compute": []}
+    origin = min((event.time_range.start for event in events), default=0)
+    for event in events:
+        start, duration = (event.time_range.start - origin) / 1e3, event.time_range.elapsed_us() / 1e3
+        if event.device_type == DeviceType.CUDA:
+            rows["copy" if "Memcpy HtoD" in event.name or "HtoD" in event.name else "compute"].append((start, duration))
+        elif event.name in HOST_PHASES:
+            rows[event.name].append((start, duration))
+    return Trace(rows, steps, device, path)
+
+
+def plot_timeline(trace: Trace, title: str | None = None):
+    """One row per phase (host: data wait, step; device: copy, compute), bars where it was busy."""
+    import matplotlib.pyplot as plt
+
+    names = [name for name in ("data wait", "step", "copy", "compute") if name in trace.rows]
+    colours = {"data wait": "tab:red", "step": "tab:blue", "copy": "tab:orange", "compute": "tab:green"}
+    figure, axes = plt.subplots(figsize=(9, 0.6 * len(names) + 1.2))
+    for row, name in enumerate(names):
+        axes.broken_barh(trace.rows[name], (row - 0.4, 0.8), color=colours[name])
+    axes.set_yticks(range(len(names)), [f"{name} ({'host' if name in HOST_PHASES else 'GPU'})" for name in names])
+    axes.invert_yaxis()
+    axes.set_xlabel("time (ms)")
+    axes.set_title(title or f"{trace.steps} training steps on {trace.device}")
+    figure.tight_layout()
+    return figure

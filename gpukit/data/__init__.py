@@ -13,7 +13,7 @@ pagecache.py evict files from the page cache and measure how much of them it hol
 bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try; `sweep()` over DataLoader workers
 """
 
-from .bottleneck import Diagnosis, diagnose, plot_sweep, sweep
+from .bottleneck import Diagnosis, SlowDataset, diagnose, plot_sweep, sweep
 from .decoding import decode_batch, decode_table
 from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
@@ -26,7 +26,7 @@ from .timeline import Trace, plot_timeline, trace_steps
 
 __all__ = [
     "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "ArrayImages", "CUDAPrefetcher", "DeviceLoader", "Diagnosis",
-    "FileImages", "ImageDataset", "ShardError", "ShardLoader", "TextLoader", "TokenDataset", "cifar10", "dataloader",
+    "FileImages", "ImageDataset", "ShardError", "ShardLoader", "SlowDataset", "TextLoader", "TokenDataset", "cifar10", "dataloader",
     "decode", "decode_batch", "decode_table", "diagnose", "encode", "image_folder", "plot_sweep", "plot_timeline", "prefetch", "trace_steps", "Trace", "random_crop_flip", "read_throughput", "shapes",
     "sweep", "text", "write_array", "write_files", "write_shards",
 ]  # fmt: skip

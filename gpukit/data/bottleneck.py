@@ -58,6 +58,24 @@ def _on_device(raw, device: torch.device) -> Batch:
     return to_device(split_batch(raw), device)
 
 
+class SlowDataset(Dataset):
+    """`dataset` with a wait of `seconds` before each sample: storage latency (a network disk, a cold
+    cache) made visible on purpose. The wait uses no CPU, so worker processes overlap it even on a
+    machine whose cores are busy."""
+
+    def __init__(self, dataset: Dataset, seconds: float):
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds!r}.")
+        self.dataset, self.seconds = dataset, seconds
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        time.sleep(self.seconds)
+        return self.dataset[index]
+
+
 @dataclass
 class Diagnosis:
     """What `diagnose` measured. Rates are optimizer steps (batches) per second.

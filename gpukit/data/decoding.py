@@ -65,16 +65,22 @@ def augmentation(size: int) -> v2.Compose:
     ])  # fmt: skip
 
 
-class _EncodedImages(Dataset):
-    def __init__(self, encoded: Sequence[bytes], size: int):
+class EncodedImages(Dataset):
+    """JPEGs kept encoded in memory, decoded and augmented per image in __getitem__, as a torchvision
+    dataset does: (uint8 image (3, size, size), label)."""
+
+    def __init__(self, encoded: Sequence[bytes], size: int, labels: Sequence[int] | torch.Tensor | None = None):
         self.encoded, self.transform = list(encoded), augmentation(size)
+        self.labels = torch.as_tensor(labels if labels is not None else [0] * len(self.encoded))
+        if len(self.labels) != len(self.encoded):
+            raise ValueError(f"got {len(self.labels)} labels for {len(self.encoded)} images.")
 
     def __len__(self) -> int:
         return len(self.encoded)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = decode_jpeg(torch.frombuffer(bytearray(self.encoded[index]), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        return self.transform(image)
+        return self.transform(image), self.labels[index]
 
 
 def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -141,7 +147,7 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
                      "images_per_second": None, "note": "skipped: no GPU"})  # fmt: skip
 
     workers = min(num_workers, os.cpu_count() or 1)
-    loader = DataLoader(_EncodedImages(encoded, size), batch_size=batch_size, num_workers=workers,
+    loader = DataLoader(EncodedImages(encoded, size), batch_size=batch_size, num_workers=workers,
                         persistent_workers=workers > 0)  # fmt: skip
     next(iter(loader))  # start the workers before timing
     rows.append({"path": f"decode + transforms.v2 per image, {workers} DataLoader workers", "device": "cpu",

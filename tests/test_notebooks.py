@@ -11,7 +11,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 def test_notebooks_exist_in_reading_order():
     names = [path.stem for path in NOTEBOOKS]
-    assert names[:3] == ["00_environment_and_cpu_vs_gpu", "01_train_a_cnn", "02_input_pipeline_and_compile"]
+    assert names[:3] == ["00_environment_and_cpu_vs_gpu", "01_train_a_cnn", "02_input_pipeline"]
     assert all(re.fullmatch(r"\d\d_[a-z0-9_]+", name) for name in names)
 
 

@@ -132,8 +132,8 @@ def _advice(loader, device: torch.device, input_bound: bool) -> list[str]:
     cores = os.cpu_count() or 1
     if not input_bound:
         return [
-            "the input keeps up: speed up the step itself (mixed precision, channels_last, torch.compile, a larger "
-            "batch), or feed it from a smaller machine; more loader workers will not help.",
+            "the input keeps up and the step is the bottleneck: speed up the step itself (mixed precision, "
+            "channels_last, torch.compile, a larger batch); more loader workers will not help.",
         ]
     advice = []
     if isinstance(loader, DataLoader):

@@ -27,6 +27,7 @@ from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..report import Table
 from ..step import Batch, Loss, TrainStep, split_batch, to_device
+from .prefetch import prefetch
 
 
 def check_workers(num_workers: int, prefetch_factor: int | None) -> None:
@@ -183,6 +184,8 @@ def diagnose(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer (batches timed per measurement), got {steps!r}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0 (untimed batches first), got {warmup!r}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
     device = resolve_device(device)
@@ -192,7 +195,7 @@ def diagnose(
     train_step = TrainStep(trained, built, precision, Loss(loss_fn))
 
     # 1. The loader alone: produce each batch and copy it to the device.
-    seconds, first = _time_loader(loader, device, warmup, steps)
+    seconds, first, on_host = _time_loader(loader, device, warmup, steps)
     loader_rate = steps / seconds
 
     # 2. The step alone, on one batch already on the device: what the step could do if data were free.
@@ -206,9 +209,10 @@ def diagnose(
         _synchronize(device)
         step_rate = steps / (time.perf_counter() - started)
 
-        # 3. Both together, as fit runs them; time blocked waiting for the next batch counts as data wait.
+        # 3. Both together, as fit runs them (host batches copied one step ahead on CUDA: gk.data.prefetch);
+        # time blocked waiting for the next batch counts as data wait.
         waited, started = 0.0, time.perf_counter()
-        batches = _cycle(loader, warmup + steps)
+        batches = _cycle(prefetch(loader, device) if on_host else loader, warmup + steps)
         for index in range(warmup + steps):
             if index == warmup:
                 _synchronize(device)
@@ -252,17 +256,20 @@ def _cycle(loader: Iterable, count: int) -> Iterator:
             )
 
 
-def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int) -> tuple[float, Batch]:
-    """(seconds for `steps` batches after `warmup` ones, the first batch on the device)."""
-    first, started = None, time.perf_counter()
+def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int) -> tuple[float, Batch, bool]:
+    """(seconds for `steps` batches after `warmup` ones, the first batch on the device, whether the loader
+    yields batches in host memory)."""
+    first, on_host, started = None, False, time.perf_counter()
     for index, raw in enumerate(_cycle(loader, warmup + steps)):
         if index == warmup:
             _synchronize(device)
             started = time.perf_counter()
+        if first is None:
+            on_host = any(not tensor.is_cuda for tensor in split_batch(raw).tensors())
         batch = _on_device(raw, device)
         first = batch if first is None else first
     _synchronize(device)
-    return time.perf_counter() - started, first
+    return time.perf_counter() - started, first, on_host
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +279,7 @@ def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int
 def loader_rate(loader: Iterable, batches: int, device: str | torch.device = "cpu", warmup: int = 1) -> float:
     """Batches per second a loader delivers to `device`, after `warmup` batches (worker start-up excluded)."""
     device = resolve_device(device)
-    seconds, _ = _time_loader(loader, device, warmup, batches)
+    seconds, _, _ = _time_loader(loader, device, warmup, batches)
     return batches / seconds
 
 

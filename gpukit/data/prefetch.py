@@ -1,8 +1,8 @@
 """Overlap the copy of the next batch to the GPU with the current training step.
 
 `prefetch(loader, device)` yields each batch already on `device`, split into inputs and target
-(gpukit.step.Batch). On a CUDA device the copy of batch k+1 is issued on a side stream right after
-batch k is handed out, so it runs while the step on batch k computes; from pinned host memory
+(gpukit.step.Batch). On a CUDA device the copy of batch k+1 is issued on a side stream when the
+caller asks for it, right after launching its step on batch k, so it runs while that step computes; from pinned host memory
 (`pin_memory=True`) the copy is truly asynchronous. Anywhere else it is a pass-through: the loader's
 own batches, untouched.
 
@@ -53,8 +53,10 @@ class CUDAPrefetcher:
             for tensor in batch.tensors():
                 if tensor.is_cuda:
                     tensor.record_stream(compute)  # allocated on the side stream, used on this one
-            upcoming = self._copy(next(iterator, _DONE))  # starts now, runs while the step on `batch` computes
             yield batch
+            # Back here once the caller has launched the step on `batch` (asynchronously): the next batch is
+            # loaded now and its copy runs on the side stream while that step computes.
+            upcoming = self._copy(next(iterator, _DONE))
 
 
 def prefetch(loader: Iterable, device: str | torch.device) -> Iterable:

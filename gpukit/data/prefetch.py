@@ -2,9 +2,9 @@
 
 `prefetch(loader, device)` yields each batch already on `device`, split into inputs and target
 (gpukit.step.Batch). On a CUDA device the copy of batch k+1 is issued on a side stream when the
-caller asks for it, right after launching its step on batch k, so it runs while that step computes; from pinned host memory
-(`pin_memory=True`) the copy is truly asynchronous. Anywhere else it is a pass-through: the loader's
-own batches, untouched.
+caller asks for it, right after launching its step on batch k, so it runs while that step computes;
+from pinned host memory (`pin_memory=True`) the copy is truly asynchronous. Anywhere else it is a
+pass-through: the loader's own batches, untouched.
 
 Correctness, the two rules of side-stream copies:
 - the compute stream waits for the side stream before it uses a batch (`wait_stream`);

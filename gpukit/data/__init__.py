@@ -25,8 +25,9 @@ from .text import VOCAB_SIZE, TextLoader, TokenDataset, decode, encode, text
 from .timeline import Trace, plot_timeline, trace_steps
 
 __all__ = [
-    "CIFAR10_CLASSES", "CIFAR10_URL", "SHAPE_CLASSES", "VOCAB_SIZE", "ArrayImages", "CUDAPrefetcher", "DeviceLoader", "Diagnosis",
-    "FileImages", "ImageDataset", "ShardError", "ShardLoader", "SlowDataset", "TextLoader", "TokenDataset", "cifar10", "dataloader",
-    "decode", "decode_batch", "decode_table", "diagnose", "encode", "image_folder", "plot_sweep", "plot_timeline", "prefetch", "trace_steps", "Trace", "random_crop_flip", "read_throughput", "shapes",
-    "sweep", "text", "write_array", "write_files", "write_shards",
+    "ArrayImages", "CIFAR10_CLASSES", "CIFAR10_URL", "CUDAPrefetcher", "DeviceLoader", "Diagnosis", "FileImages",
+    "ImageDataset", "SHAPE_CLASSES", "ShardError", "ShardLoader", "SlowDataset", "TextLoader", "TokenDataset",
+    "Trace", "VOCAB_SIZE", "cifar10", "dataloader", "decode", "decode_batch", "decode_table", "diagnose", "encode",
+    "image_folder", "plot_sweep", "plot_timeline", "prefetch", "random_crop_flip", "read_throughput", "shapes",
+    "sweep", "text", "trace_steps", "write_array", "write_files", "write_shards",
 ]  # fmt: skip

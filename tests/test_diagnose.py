@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import gpukit as gk
 from gpukit.data.bottleneck import check_workers
+from gpukit.train.data import batches
 
 
 @pytest.fixture(autouse=True)
@@ -141,6 +142,7 @@ def test_sweep_measures_every_setting_and_plots():
 def test_prefetch_is_a_pass_through_off_cuda(device):
     loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.zeros(8, dtype=torch.long)), batch_size=4)
     assert gk.data.prefetch(loader, device) is loader
+    assert batches(loader, device) is loader  # what fit iterates over: the DataLoader itself off CUDA
     with pytest.raises(ValueError, match="CUDA device"):
         gk.data.CUDAPrefetcher(loader, device)
 

@@ -96,11 +96,24 @@ def _plain(value):
     raise TypeError(f"a History column holds a {type(value).__name__}, which JSON cannot store; use numbers or None.")
 
 
+def _parse(path: Path):
+    """The JSON in `path`, or HistoryFileError. A file that does not start with "{" is not read
+    further: a large binary file (a checkpoint, a dataset) is not loaded into memory to find out."""
+    not_history = f"{path} is not a saved History (History.load reads the JSON files History.save writes)"
+    with open(path, "rb") as file:
+        if not file.read(256).lstrip().startswith(b"{"):
+            raise HistoryFileError(f"{not_history}: it is not a JSON object (it does not start with '{{').")
+        file.seek(0)
+        try:
+            return json.loads(file.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise HistoryFileError(f"{not_history}: it is not JSON ({error}).") from error
+
+
 def _is_saved_history(path: Path) -> bool:
     try:
-        with open(path, encoding="utf-8") as file:
-            record = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = _parse(path)
+    except (OSError, HistoryFileError):
         return False
     return isinstance(record, dict) and record.get("format") == FORMAT
 
@@ -134,14 +147,12 @@ def read(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no saved History at {path}: check the path (History.save wrote it where you said).")
-    not_history = f"{path} is not a saved History (History.load reads the JSON files History.save writes)"
-    try:
-        with open(path, encoding="utf-8") as file:
-            record = json.load(file)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HistoryFileError(f"{not_history}: it is not JSON ({error}).") from error
+    record = _parse(path)
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise HistoryFileError(f'{not_history}: it has no "format": "{FORMAT}" entry.')
+        raise HistoryFileError(
+            f"{path} is not a saved History (History.load reads the JSON files History.save writes): it has no "
+            f'"format": "{FORMAT}" entry.'
+        )
     version = record.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise HistoryFileError(f"{path} is damaged: its format version is {version!r}, not a positive integer.")

@@ -200,15 +200,17 @@ def test_a_failed_save_leaves_the_previous_file_whole(runs, tmp_path, monkeypatc
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"epoch,loss\n1,0.5\n", "not a saved History.*not JSON"),
-        (b"\x80\x02\x00binary", "not a saved History.*not JSON"),
+        (b"epoch,loss\n1,0.5\n", "not a saved History.*not a JSON object"),
+        (b"\x80\x02\x00binary", "not a saved History.*not a JSON object"),
+        (b'{"epochs": [1, 2', "not a saved History.*not JSON"),
+        (b'{"format": "\xff"}', "not a saved History.*not JSON"),
         (b'{"epochs": []}', 'not a saved History.*"format": "gpukit.History"'),
-        (b"[1, 2]", "not a saved History"),
+        (b"[1, 2]", "not a saved History.*not a JSON object"),
         (b'{"format": "gpukit.History", "version": "one"}', "damaged.*format version"),
         (b'{"format": "gpukit.History", "version": 1, "history": {}}', "damaged.*steps and epochs"),
         (b'{"format": "gpukit.History", "version": 99, "history": {}}', "newer gpukit.*format 99.*upgrade gpukit"),
     ],
-    ids=["csv", "binary", "json-without-format", "json-list", "bad-version", "damaged", "newer-version"],
+    ids=["csv", "binary", "cut-short", "not-utf8", "json-without-format", "json-list", "bad-version", "damaged", "newer-version"],
 )
 def test_load_says_what_is_wrong_with_the_file(tmp_path, content, message):
     path = tmp_path / "run.json"

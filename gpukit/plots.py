@@ -107,6 +107,9 @@ def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[st
     loss_axis.legend()
     for axis, metric in zip(axes, metrics):
         axis.set(xlabel="epoch", ylabel=metric, title=f"{metric} per epoch (dashed: train)")
+        values = [y for line in axis.get_lines() for y in line.get_ydata()]
+        if metric == "loss" and values and min(values) > 0:
+            axis.set_yscale("log")  # losses of different runs can differ by orders of magnitude
         axis.legend(fontsize="small")
     figure.tight_layout()
     rows = [{"run": label} | summary for label, (*_, summary) in zip(labels, runs)]

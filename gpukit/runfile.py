@@ -3,7 +3,7 @@
 
 The file is one JSON object (Python's json module: floats round-trip exactly, NaN is written as NaN):
 
-    {"format": "gpukit.History", "version": 1, "saved_at": "2026-…Z",
+    {"format": "gpukit.History", "version": 1, "saved_at": "2026-…+00:00" (UTC),
      "environment": {"device", "device_name", "precision", "profile", "python", "torch", "cuda",
                      "gpukit", "git_commit"},
      "summary": {…},    the run's figures as History.summary() gave them when saved (for readers of the file)

@@ -210,7 +210,17 @@ def test_a_failed_save_leaves_the_previous_file_whole(runs, tmp_path, monkeypatc
         (b'{"format": "gpukit.History", "version": 1, "history": {}}', "damaged.*steps and epochs"),
         (b'{"format": "gpukit.History", "version": 99, "history": {}}', "newer gpukit.*format 99.*upgrade gpukit"),
     ],
-    ids=["csv", "binary", "cut-short", "not-utf8", "json-without-format", "json-list", "bad-version", "damaged", "newer-version"],
+    ids=[
+        "csv",
+        "binary",
+        "cut-short",
+        "not-utf8",
+        "json-without-format",
+        "json-list",
+        "bad-version",
+        "damaged",
+        "newer-version",
+    ],
 )
 def test_load_says_what_is_wrong_with_the_file(tmp_path, content, message):
     path = tmp_path / "run.json"

@@ -1,8 +1,10 @@
-"""Matplotlib figures for the lessons. Each function returns the Figure it drew."""
+"""Matplotlib figures for the lessons. Each function returns the Figure it drew (`compare` also
+returns a table)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.5):
@@ -39,6 +41,92 @@ def plot_history(history, title: str | None = None):
         figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[str] | None = None):
+    """Several runs side by side: learning curves on shared axes, and a table of what they reached.
+
+    histories: History objects (what fit returns), paths of saved ones (History.save), or a mix;
+        or a dict {label: run}.
+    labels: a name per run; default the saved file's name (runs/fp32.json → "fp32"), else "run 1", …
+    metrics: per-epoch quantities drawn beside the loss, named without train_/eval_ (e.g.
+        ["accuracy"], ["mae"]); default every one some run has. Training is dashed, held-out solid.
+    Returns (figure, table): the training loss per logged step and one panel per metric per epoch;
+    a gk.Table with one row per run of its final values, throughput and wall time (History.summary()).
+    """
+    from .report import Table
+
+    if isinstance(histories, Mapping):
+        if labels is not None:
+            raise ValueError("pass labels, or a dict {label: run}, not both.")
+        labels, histories = list(histories), list(histories.values())
+    if isinstance(histories, (str, os.PathLike)) or not isinstance(histories, Sequence) or not histories:
+        raise ValueError(
+            "compare takes a list of runs (History objects or paths of saved ones), or a dict {label: run}; "
+            f"got {histories!r:.80}."
+        )
+    runs = [_as_run(item) for item in histories]
+    if labels is None:
+        labels = [name or f"run {index + 1}" for index, (name, *_) in enumerate(runs)]
+        labels = [f"{label} ({index + 1})" if labels.count(label) > 1 else label for index, label in enumerate(labels)]
+    elif isinstance(labels, str) or len(labels) != len(runs) or len(set(labels)) != len(labels):
+        raise ValueError(f"labels must be {len(runs)} different names, one per run; got {labels!r}.")
+    present = dict.fromkeys(
+        column.split("_", 1)[1] for *_, epochs, _ in runs for row in epochs for column in row
+        if column.startswith(("train_", "eval_"))
+    )  # fmt: skip
+    if metrics is None:
+        metrics = list(present)
+    else:
+        metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+        missing = [name for name in metrics if name not in present]
+        if missing:
+            raise ValueError(
+                f"no run has {', '.join(map(repr, missing))} per epoch; these runs have {', '.join(present) or 'none'} "
+                "(names without train_/eval_)."
+            )
+    figure, (loss_axis, *axes) = _figure(1 + len(metrics))
+    for index, (label, (_, steps, epochs, _)) in enumerate(zip(labels, runs)):
+        color = f"C{index}"
+        loss_axis.plot([row["step"] for row in steps], [row["loss"] for row in steps], color=color, label=label)
+        for axis, metric in zip(axes, metrics):
+            for prefix, style in (("train_", "--"), ("eval_", "o-")):
+                points = [
+                    (row["epoch"], row[prefix + metric]) for row in epochs if row.get(prefix + metric) is not None
+                ]
+                if points:
+                    axis.plot(
+                        *zip(*points),
+                        style,
+                        color=color,
+                        label=f"{label}, {'train' if prefix == 'train_' else 'held-out'}",
+                    )
+    loss_axis.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
+    if all(row["loss"] > 0 for _, steps, _, _ in runs for row in steps):
+        loss_axis.set_yscale("log")
+    loss_axis.legend()
+    for axis, metric in zip(axes, metrics):
+        axis.set(xlabel="epoch", ylabel=metric, title=f"{metric} per epoch (dashed: train)")
+        values = [y for line in axis.get_lines() for y in line.get_ydata()]
+        if metric == "loss" and values and min(values) > 0:
+            axis.set_yscale("log")  # losses of different runs can differ by orders of magnitude
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    rows = [{"run": label} | summary for label, (*_, summary) in zip(labels, runs)]
+    return figure, Table(rows, title="final values, throughput and wall time (seconds)")
+
+
+def _as_run(item) -> tuple[str | None, list[dict], list[dict], dict]:
+    """(name, steps, epochs, summary) of a History or of a file History.save wrote."""
+    if isinstance(item, (str, os.PathLike)):
+        from . import runfile
+
+        record = runfile.read(item)
+        name = os.path.splitext(os.path.basename(item))[0]
+        return name, record["history"]["steps"], record["history"]["epochs"], record["summary"]
+    if all(hasattr(item, name) for name in ("steps", "epochs", "summary")):
+        return None, item.steps, item.epochs, item.summary()
+    raise TypeError(f"compare takes History objects or paths of saved ones, got a {type(item).__name__}.")
 
 
 def plot_curves(

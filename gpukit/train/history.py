@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import io
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import runfile
+from ..files import write_atomic
 
 
 @dataclass
@@ -19,6 +26,10 @@ class History:
             on a CUDA device; None where not measured) and seconds (training only).
     A column that does not apply to the run is absent, never 0.
     sample_name: what one sample is ("image", "sequence" or "sample"), read from the first batch.
+    environment: what the run ran on, recorded by fit: device_name, profile, python, torch, cuda,
+            gpukit and git_commit (None outside a git checkout).
+
+    `save(path)` / `History.load(path)` keep a run in a JSON file; `to_csv(path)` exports a table.
     """
 
     steps: list[dict] = field(default_factory=list)
@@ -29,6 +40,7 @@ class History:
     sample_name: str = "sample"
     skipped_steps: int = 0  # fp16 steps skipped by the loss scaler
     seconds: float = 0.0  # wall time of the whole fit, evaluation included
+    environment: dict = field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -106,6 +118,47 @@ class History:
         from ..report import Table
 
         return Table(self.epochs, title=f"{self.precision}, batch {self.batch_size} on {self.device}")
+
+    def save(self, path: str | Path) -> Path:
+        """Write this History to a JSON file (format in gpukit.runfile), atomically; the folder is created.
+
+        Every column of steps and epochs comes back exactly from `History.load`. An existing saved
+        History at `path` is replaced; any other file there is refused and left as it was.
+        """
+        history = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        environment = {"device": history.pop("device"), "precision": history.pop("precision")}
+        # A History not made by fit has no environment: record this process's (without a device name).
+        environment |= history.pop("environment") or runfile.run_environment(None)
+        return runfile.write(path, environment, self.summary(), history)
+
+    @classmethod
+    def load(cls, path: str | Path) -> History:
+        """The History a `save` wrote (HistoryFileError for a file that is not one, or is from a newer gpukit)."""
+        record = runfile.read(path)
+        environment = dict(record["environment"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        # Fields this gpukit does not know (from a later gpukit of the same format) are left out.
+        fields = {name: value for name, value in record["history"].items() if name in known}
+        for name in ("device", "precision"):
+            if name in environment:
+                fields[name] = environment.pop(name)
+        return cls(**fields, environment=environment)
+
+    def to_csv(self, path: str | Path, rows: str = "epochs") -> Path:
+        """Write one table as CSV, atomically: rows="epochs" (one row per epoch) or "steps" (one per
+        logged window). Columns are the union of the rows' keys; an absent or None value is an empty cell.
+        Call it twice for both tables (e.g. run_epochs.csv and run_steps.csv)."""
+        if rows not in ("epochs", "steps"):
+            raise ValueError(f"rows={rows!r}: to_csv writes rows='epochs' or rows='steps', one table per file.")
+        table = self.epochs if rows == "epochs" else self.steps
+        columns = list(dict.fromkeys(key for row in table for key in row))
+        text = io.StringIO()
+        writer = csv.DictWriter(text, columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(table)  # floats as repr(): float(cell) gives back the same number
+        path = Path(path)
+        write_atomic(path, text.getvalue().encode("utf-8"))
+        return path
 
     def plot(self, **kwargs):
         from ..plots import plot_history

@@ -21,12 +21,14 @@ from ..env import resolve_device
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
 from ..optim import DEFAULT_LR, SCHEDULES, check_lr, make_optimizer, make_schedule
 from ..precision import Precision, get_precision
+from ..runfile import run_environment
 from ..step import Batch, Loss, TrainStep
 from .checkpoint import Checkpointer
 from .data import as_loader, batches, length, prepare
 from .evaluate import evaluate
 from .history import History
 from .tally import Tally, check_metrics
+from .tensorboard_log import open_log
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -116,6 +118,7 @@ def fit(
     log_every: int = 10,
     max_steps: int | None = None,
     checkpoint_dir: str | Path | None = None,
+    log_dir: str | Path | None = None,
     seed: int = 0,
 ) -> History:
     """Train `model` on `train_data` and return the History of what was measured.
@@ -136,6 +139,8 @@ def fit(
     compile: True (torch.compile with its defaults) or a dict of torch.compile options.
     With `checkpoint_dir`, the model, optimizer, schedule, loss scaler and history are saved after
     every epoch (atomically), and a later call with the same directory resumes.
+    log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
+        History's columns); needs the `log` extra (pip install 'gpukit[log]').
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
@@ -186,7 +191,7 @@ def fit(
     forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
     step = TrainStep(forward, built, precision, loss,
                      parameters=model.parameters(), accumulate=accumulate, clip=clip)  # fmt: skip
-    history = History(precision=precision.name, device=str(device))
+    history = History(precision=precision.name, device=str(device), environment=run_environment(device))
     plan = {
         "total_steps": total_steps, "steps_per_epoch": steps_per_epoch,
         "batch_size": getattr(loader, "batch_size", None), "accumulate": accumulate,
@@ -194,6 +199,8 @@ def fit(
     checkpoint = Checkpointer(checkpoint_dir, plan) if checkpoint_dir is not None else None
     start_epoch, step_index = checkpoint.resume(model, built, scheduler, precision, history) if checkpoint else (0, 0)
     distributed.check_same(start_epoch, "the epoch to resume from")
+
+    board = open_log(log_dir if distributed.is_main() else None)  # one writer per job; fails before training
 
     from ..widgets import Progress
 
@@ -251,7 +258,7 @@ def fit(
                     step_index += 1
                     window.steps += 1
                     if window.steps == log_every or step_index == total_steps:
-                        _log(window, history, bar, step_index, epoch, built, precision, peak_lr)
+                        _log(window, history, bar, board, step_index, epoch, built, precision, peak_lr)
                     if total_steps is not None and step_index >= total_steps:
                         break
                 if micro % accumulate:  # data without len(): drop the gradients of the last, incomplete step
@@ -262,7 +269,7 @@ def fit(
                         "only once: pass a list, a Dataset or a DataLoader."
                     )
                 if window.steps:
-                    _log(window, history, bar, step_index, epoch, built, precision, peak_lr)
+                    _log(window, history, bar, board, step_index, epoch, built, precision, peak_lr)
                 *sums, samples = distributed.sum_over_ranks(*tally.tensors(), tally.samples)  # one all-reduce
                 tally.replace(sums, samples)
                 seconds = time.perf_counter() - epoch_started  # training only, evaluation excluded
@@ -277,6 +284,7 @@ def fit(
                 row["peak_memory"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                 row["seconds"] = seconds
                 history.epochs.append(row)
+                board.add_epoch(row)
                 bar.epoch_done(history)
                 if checkpoint:
                     if distributed.is_main():  # one writer: every rank holds the same state
@@ -288,6 +296,7 @@ def fit(
                                             accumulate=accumulate, precision=precision.name)  # fmt: skip
     finally:
         bar.close()
+        board.close()
         history.skipped_steps = precision.skipped_steps
         history.seconds += time.perf_counter() - started
     if out_of_memory is not None:
@@ -301,7 +310,9 @@ def fit(
     return history
 
 
-def _log(window: _Window, history: History, bar, step_index: int, epoch: int, optimizer, precision, peak_lr) -> None:
+def _log(
+    window: _Window, history: History, bar, board, step_index: int, epoch: int, optimizer, precision, peak_lr
+) -> None:
     row = window.row(step_index, epoch + 1, optimizer.param_groups[0]["lr"])
     if not math.isfinite(row["loss"]):
         raise NonFiniteLossError(
@@ -310,5 +321,6 @@ def _log(window: _Window, history: History, bar, step_index: int, epoch: int, op
             "clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss scaling if you scale by hand)."
         )
     history.steps.append(row)
+    board.add_step(row)
     bar.update(window.steps, row, history)
     window.reset()

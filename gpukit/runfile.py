@@ -1,0 +1,176 @@
+"""A training run on disk: the JSON file `History.save` writes, which `History.load` and
+`gk.plots.compare` read, and the environment recorded with it.
+
+The file is one JSON object (Python's json module: floats round-trip exactly, NaN is written as NaN):
+
+    {"format": "gpukit.History", "version": 1, "saved_at": "2026-…+00:00" (UTC),
+     "environment": {"device", "device_name", "precision", "profile", "python", "torch", "cuda",
+                     "gpukit", "git_commit"},
+     "summary": {…},    the run's figures as History.summary() gave them when saved (for readers of the file)
+     "history": {…}}    every other History field: steps, epochs, batch_size, sample_name, …
+
+It lives below gpukit.train so that gpukit.plots can read saved runs without importing the trainer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .env import detect
+from .files import write_atomic
+
+FORMAT = "gpukit.History"
+VERSION = 1  # raise it when a change makes files unreadable by older gpukit versions
+
+
+class HistoryFileError(ValueError):
+    """A file is not a saved History, is damaged, or was written by a newer gpukit."""
+
+
+def git_commit(folder: str | Path | None = None) -> str | None:
+    """The commit checked out in the git repository holding `folder` (default: the current folder);
+    None outside a repository, before its first commit, or where git is not installed."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", "HEAD"],
+            cwd=folder, capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):  # no git on PATH, a folder that is gone, a hung git
+        return None
+    commit = result.stdout.strip()
+    return commit if result.returncode == 0 and commit else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as file:  # Linux: platform.processor() often says only "x86_64"
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device: torch.device | None) -> str | None:
+    if device is None:
+        return None
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple GPU (MPS) on {platform.machine()}"
+    return _cpu_name()
+
+
+def _gpukit_version() -> str | None:
+    try:
+        return importlib.metadata.version("gpukit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return None
+
+
+def run_environment(device: torch.device | None) -> dict:
+    """What a run ran on, recorded by fit and saved with its History (device None: no device name)."""
+    return {
+        "device_name": device_name(device),
+        "profile": detect().profile.name,  # the sizes gk.detect() chose here (tiny, cpu or gpu)
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,  # None for a CPU-only build of torch
+        "gpukit": _gpukit_version(),
+        "git_commit": git_commit(),
+    }
+
+
+def _plain(value):
+    """JSON's fallback for numbers that are not Python's own (NumPy scalars, 0-d tensors)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"a History column holds a {type(value).__name__}, which JSON cannot store; use numbers or None.")
+
+
+def _parse(path: Path):
+    """The JSON in `path`, or HistoryFileError. A file that does not start with "{" is not read
+    further: a large binary file (a checkpoint, a dataset) is not loaded into memory to find out."""
+    not_history = f"{path} is not a saved History (History.load reads the JSON files History.save writes)"
+    with open(path, "rb") as file:
+        if not file.read(256).lstrip().startswith(b"{"):
+            raise HistoryFileError(f"{not_history}: it is not a JSON object (it does not start with '{{').")
+        file.seek(0)
+        try:
+            return json.loads(file.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise HistoryFileError(f"{not_history}: it is not JSON ({error}).") from error
+
+
+def _is_saved_history(path: Path) -> bool:
+    try:
+        record = _parse(path)
+    except (OSError, HistoryFileError):
+        return False
+    return isinstance(record, dict) and record.get("format") == FORMAT
+
+
+def write(path: str | Path, environment: dict, summary: dict, history: dict) -> Path:
+    """Write a run to `path` atomically (the folder is created). A file already at `path` is
+    replaced only if it is a saved History: anything else is left untouched and refused."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give History.save a file path such as {path / 'run.json'}.")
+    if path.exists() and not _is_saved_history(path):
+        raise FileExistsError(
+            f"{path} exists and is not a saved History, so History.save will not overwrite it; choose another "
+            "path (e.g. runs/name.json), or delete the file first if you no longer need it."
+        )
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment,
+        "summary": summary,
+        "history": history,
+    }
+    text = json.dumps(record, indent=1, default=_plain) + "\n"  # before writing: an error leaves no file
+    write_atomic(path, text.encode("utf-8"))
+    return path
+
+
+def read(path: str | Path) -> dict:
+    """The record `write` wrote, checked: a clear HistoryFileError for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no saved History at {path}: check the path (History.save wrote it where you said).")
+    record = _parse(path)
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise HistoryFileError(
+            f"{path} is not a saved History (History.load reads the JSON files History.save writes): it has no "
+            f'"format": "{FORMAT}" entry.'
+        )
+    version = record.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise HistoryFileError(f"{path} is damaged: its format version is {version!r}, not a positive integer.")
+    if version > VERSION:
+        raise HistoryFileError(
+            f"{path} was saved by a newer gpukit (History format {version}; gpukit {_gpukit_version()} "
+            f"reads formats up to {VERSION}): upgrade gpukit (pip install -U gpukit) to load it."
+        )
+    history = record.get("history")
+    if (
+        not isinstance(history, dict)
+        or not isinstance(history.get("steps"), list)
+        or not isinstance(history.get("epochs"), list)
+        or not isinstance(record.get("environment"), dict)
+        or not isinstance(record.get("summary"), dict)
+    ):
+        raise HistoryFileError(
+            f"{path} is damaged: a saved History holds environment, summary and history (with steps and epochs) "
+            "entries; save the run again."
+        )
+    return record

@@ -41,8 +41,8 @@ class LRFinderResult:
 
     @property
     def best_lr(self) -> float:
-        """The lr at the minimum of the smoothed loss."""
-        return self.lrs[min(range(len(self.smoothed)), key=self.smoothed.__getitem__)]
+        """The lr at the minimum of the smoothed loss (the first tenth of the steps left out)."""
+        return self.suggestion * 10
 
     def plot(self, title: str = ""):
         from ..plots import plot_lr_find
@@ -92,7 +92,8 @@ def lr_find(
     on the past), bias-corrected as in Adam. The run stops early when the smoothed loss exceeds
     `diverge` × its minimum, or any loss is not finite. Suggested lr: the lr at the minimum of the
     smoothed loss ÷ 10 (fastai's "lr_min"), a conservative rule that stays below where the loss
-    blows up; the lr of steepest descent is returned too.
+    blows up; the minimum is searched after the first tenth of the steps, whose average rests on
+    few losses. The lr of steepest descent is returned too.
 
     The test needs `steps × accumulate` batches in one pass over the data (no epochs are
     repeated); shorter data is an error that says how many it needs. The model's parameters,
@@ -179,7 +180,9 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
             if smoothed[-1] > diverge * best:
                 stopped = f"diverged at lr {lr:.3g} (smoothed loss > {diverge:g} × its minimum)"
                 break
-    finite = [i for i, value in enumerate(smoothed) if math.isfinite(value)]
+    # The first steps' average rests on few losses (noisy); the minimum is searched after them.
+    skip = min(len(smoothed) // 10, len(smoothed) - 1)
+    finite = [i for i, value in enumerate(smoothed) if math.isfinite(value) and i >= skip]
     lowest = min(finite, key=smoothed.__getitem__) if finite else 0
     # Slope of the smoothed loss per decade of lr, over the points up to the minimum.
     slopes = [(smoothed[i + 1] - smoothed[i]) / math.log10(lrs[i + 1] / lrs[i]) for i in range(max(lowest, 1))

@@ -254,7 +254,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def muon_with_adamw(model, *, lr: float, weight_decay: float, no_decay_1d: bool = True) -> MuonWithAdamW:
-    """"muon": torch.optim.Muon on the hidden weights (see muon_parameters), AdamW on the rest."""
+    """The "muon" optimizer: torch.optim.Muon on the hidden weights (see muon_parameters), AdamW on the rest."""
     hidden, rest = muon_parameters(model)
     return MuonWithAdamW(hidden, rest, lr=lr, weight_decay=weight_decay, no_decay_1d=no_decay_1d)
 

@@ -99,4 +99,3 @@ def compare_sharding(
             sizes = state_bytes(model, optimizer_object)
         results[sharding] = sizes | {"final_parameters": _flat_parameters(model)}
     return results
-

@@ -8,4 +8,6 @@ from .history import History
 from .loop import NonFiniteLossError, as_loader, fit
 from .lr_finder import LRFinderResult, lr_find
 
-__all__ = ["CheckpointError", "History", "LRFinderResult", "NonFiniteLossError", "as_loader", "evaluate", "fit", "lr_find"]
+__all__ = [
+    "CheckpointError", "History", "LRFinderResult", "NonFiniteLossError", "as_loader", "evaluate", "fit", "lr_find",
+]  # fmt: skip

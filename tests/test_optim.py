@@ -51,6 +51,14 @@ def test_every_name_steps_and_its_state_bytes_are_predicted(name, build):
     assert measured_state_bytes(optimizer) == gk.memory.optimizer_state_bytes(model, name)
 
 
+def test_memory_estimate_and_breakdown_count_the_same_state():
+    model, images = cnn(), torch.randn(2, 3, 32, 32)
+    for name in ("lamb", "muon"):  # one from timm, and the two-part one
+        predicted = gk.memory.optimizer_state_bytes(model, name)
+        assert gk.memory.estimate(model, images, optimizer=name, device="cpu").optimizer_state == predicted
+        assert gk.memory.breakdown(model, images, optimizer=name, device="cpu").optimizer_state == predicted
+
+
 def test_state_is_two_and_one_copies_of_the_parameters():
     model = cnn()
     parameter_bytes = sum(p.nbytes for p in model.parameters())

@@ -12,7 +12,7 @@ from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
 from .memory import checkpointing
 from .precision import PRECISIONS, Precision, get_precision
 from .report import Table, format_bytes
-from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit
+from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit, lr_find
 
 # `import gpukit.checkpointing` keeps working now that it lives in gpukit.memory (the same module object).
 sys.modules[f"{__name__}.checkpointing"] = checkpointing
@@ -22,6 +22,6 @@ __version__ = "0.1.0"
 __all__ = [
     "PRECISIONS", "PROFILES", "CheckpointError", "Env", "History", "NonFiniteLossError", "Precision", "Profile",
     "Table", "bench", "checkpointing", "data", "detect", "distributed", "doctor", "evaluate", "fit",
-    "format_bytes", "get_precision", "memory", "models", "optim", "plots", "resolve_device", "seed_everything",
+    "format_bytes", "get_precision", "lr_find", "memory", "models", "optim", "plots", "resolve_device", "seed_everything",
     "step", "train",
 ]  # fmt: skip

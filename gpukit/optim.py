@@ -1,4 +1,24 @@
-"""Optimizers and learning-rate schedules by name: the one place a string becomes an object."""
+"""Optimizers and learning-rate schedules by name: the one place a string becomes an object.
+
+Names (`make_optimizer`):
+
+    "sgd"        SGD with Nesterov momentum 0.9 (fit's default since the first lesson; the same as "nesterov")
+    "momentum"   SGD with heavy-ball momentum 0.9
+    "nesterov"   SGD with Nesterov momentum 0.9
+    "adam"       Adam (weight decay added to the gradient, L2 style)
+    "adamw"      AdamW (decoupled weight decay)
+    "rmsprop"    RMSprop (no momentum)
+    "adagrad"    Adagrad
+    "lamb"       LAMB (layer-wise adaptive Adam, You et al. 2019), from timm: pip install 'gpukit[optim]'
+    "lars"       LARS (layer-wise adaptive SGD with momentum 0.9, You et al. 2017), from timm
+    "muon"       torch.optim.Muon (torch >= 2.9) for the hidden weight matrices, AdamW for the rest
+
+No decay on biases and norm parameters: for "adamw", "lamb", "lars" and "muon" every parameter
+with one dimension (biases, BatchNorm/LayerNorm scales and shifts) goes to a group with
+weight_decay=0, as BERT, timm and nanoGPT do; decaying a norm's scale towards 0 only fights the
+normalisation. `no_decay_1d=False` puts every parameter in one decayed group. The other names
+apply `weight_decay` to every parameter (their classic form).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +26,18 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
 SCHEDULES = ("onecycle", "linear", "constant")
-OPTIMIZERS = ("sgd", "adamw")
-DEFAULT_LR = 0.05  # fit's peak learning rate for an optimizer given by name
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lars", "muon")
+DEFAULT_LR = 0.05  # fit's peak learning rate for the SGD family given by name
+# fit's peak learning rate for each name when none is given: the SGD family steps in the
+# gradient's units, the adaptive ones in units of about one lr per coordinate, hence far smaller.
+DEFAULT_LRS = {"sgd": DEFAULT_LR, "momentum": DEFAULT_LR, "nesterov": DEFAULT_LR, "lars": 1.0, "adam": 1e-3,
+               "adamw": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-2, "lamb": 1e-2, "muon": 1e-3}  # fmt: skip
+NO_DECAY_BY_DEFAULT = ("adamw", "lamb", "lars", "muon")  # names whose 1-D parameters are not decayed
+OPTIONAL_EXTRA = "pip install 'gpukit[optim]' (or pip install timm)"
+MUON_TORCH = "2.9"
 
 
 def check_lr(lr) -> None:
@@ -17,25 +45,222 @@ def check_lr(lr) -> None:
         raise ValueError(f"lr must be a positive, finite number, got {lr!r}.")
 
 
+def check_weight_decay(weight_decay) -> None:
+    if (
+        isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
+        or not math.isfinite(weight_decay) or weight_decay < 0
+    ):  # fmt: skip
+        raise ValueError(f"weight_decay must be a finite number >= 0 (0 turns it off), got {weight_decay!r}.")
+
+
+def default_lr(optimizer) -> float:
+    """fit's peak learning rate for an optimizer name when none is given."""
+    return DEFAULT_LRS.get(optimizer, DEFAULT_LR) if isinstance(optimizer, str) else DEFAULT_LR
+
+
+def _check_name(name: str) -> None:
+    if name not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer={name!r} is unknown; use one of {', '.join(map(repr, OPTIMIZERS))}, a torch.optim.Optimizer, "
+            "or a function of the parameters that returns one."
+        )
+
+
+def decay_groups(parameters: Iterable, weight_decay: float, no_decay_1d: bool = True) -> list[dict]:
+    """Parameter groups: matrices and filters (2-D and more) decayed, 1-D parameters (biases, norm
+    scales and shifts) with weight_decay=0. Empty groups are left out; a parameter seen twice
+    (tied weights) is kept once."""
+    unique = list({id(p): p for p in parameters if p.requires_grad}.values())
+    if not no_decay_1d:
+        return [{"params": unique, "weight_decay": weight_decay}]
+    decayed = [p for p in unique if p.dim() >= 2]
+    plain = [p for p in unique if p.dim() < 2]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def _timm(name: str):
+    try:
+        from timm.optim import Lamb, Lars
+    except ImportError as error:
+        raise ImportError(
+            f"optimizer={name!r} comes from the timm library, which is not installed; {OPTIONAL_EXTRA}."
+        ) from error
+    return Lamb if name == "lamb" else Lars
+
+
 def make_optimizer(
-    optimizer: str | torch.optim.Optimizer | Callable, parameters: Iterable, lr: float, weight_decay: float
+    optimizer: str | torch.optim.Optimizer | Callable,
+    parameters: Iterable | nn.Module,
+    lr: float,
+    weight_decay: float,
+    *,
+    no_decay_1d: bool | None = None,
 ) -> torch.optim.Optimizer:
-    """'sgd' (Nesterov momentum 0.9), 'adamw', an optimizer, or a function of the parameters."""
+    """An optimizer from a name (see the module docstring), an Optimizer (returned as it is), or a
+    function of the parameters that returns one.
+
+    parameters: a model, or its parameters. "muon" needs the model (it must tell the hidden
+        weights from the embeddings and the output head); given bare parameters it treats every
+        2-D parameter as hidden.
+    no_decay_1d: None means True for "adamw", "lamb", "lars" and "muon", False for the others.
+    """
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    if callable(optimizer):
-        built = optimizer(parameters)
+    if callable(optimizer) and not isinstance(optimizer, str):
+        built = optimizer(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"the optimizer function returned {type(built).__name__}, not a torch.optim.Optimizer.")
         return built
-    if optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
-    if optimizer == "adamw":
-        return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
-    raise ValueError(
-        f"optimizer={optimizer!r} is unknown; use one of {', '.join(map(repr, OPTIMIZERS))}, an Optimizer, or a "
-        "function of the parameters."
-    )
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be a name, a torch.optim.Optimizer or a function of the parameters, got "
+            f"{type(optimizer).__name__}."
+        )
+    _check_name(optimizer)
+    check_lr(lr)
+    check_weight_decay(weight_decay)
+    no_decay = optimizer in NO_DECAY_BY_DEFAULT if no_decay_1d is None else no_decay_1d
+    if optimizer == "muon":
+        return muon_with_adamw(parameters, lr=lr, weight_decay=weight_decay, no_decay_1d=no_decay)
+    model_parameters = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
+    optimizer_class, options = optimizer_class_and_options(optimizer)
+    return optimizer_class(decay_groups(model_parameters, weight_decay, no_decay), lr=lr, **options)
+
+
+def optimizer_class_and_options(name: str) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The class a name stands for and its options besides lr and weight_decay (for wrappers such
+    as ZeroRedundancyOptimizer, which build the optimizer themselves). Not for "muon" (two optimizers)."""
+    _check_name(name)
+    if name in ("sgd", "nesterov", "momentum"):
+        return torch.optim.SGD, {"momentum": 0.9, "nesterov": name != "momentum"}
+    if name == "lars":
+        return _timm("lars"), {"momentum": 0.9}
+    if name == "lamb":
+        return _timm("lamb"), {}
+    if name == "muon":
+        raise ValueError("'muon' is two optimizers (Muon and AdamW), not one class; build it with make_optimizer.")
+    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
+               "adagrad": torch.optim.Adagrad}  # fmt: skip
+    return classes[name], {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon
+
+
+def muon_parameters(model: nn.Module | Iterable) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(hidden weights for Muon, the rest for AdamW), as Muon's authors split them.
+
+    Muon orthogonalises each update matrix, which suits the weights of hidden layers: linear
+    weights (2-D) and convolution filters (4-D, seen as out_channels × (in_channels·kh·kw) as in
+    Keller Jordan's CIFAR-10 runs). Embeddings (a lookup, not a matrix product), the output head
+    (the last nn.Linear, and any weight tied to an embedding), and 1-D parameters go to AdamW.
+    """
+    if not isinstance(model, nn.Module):
+        parameters = list({id(p): p for p in model if p.requires_grad}.values())
+        return [p for p in parameters if p.dim() >= 2], [p for p in parameters if p.dim() < 2]
+    excluded = set()
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    if linears:
+        excluded.add(id(linears[-1].weight))  # the output head
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            excluded.add(id(module.weight))
+    parameters = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    hidden = [p for p in parameters if p.dim() >= 2 and id(p) not in excluded]
+    rest = [p for p in parameters if not (p.dim() >= 2 and id(p) not in excluded)]
+    return hidden, rest
+
+
+def _is_channels_last(tensor: torch.Tensor) -> bool:
+    return tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last)
+
+
+def _as_matrix(tensor: torch.Tensor, permuted: bool, copy_ok: bool = False) -> torch.Tensor:
+    """(out, everything else): a filter (O, I, kh, kw) as a matrix. A channels_last filter is read
+    as (O, kh, kw, I), its order in memory; orthogonalisation commutes with permuting columns."""
+    matrix = tensor.permute(0, 2, 3, 1) if permuted else tensor
+    return matrix.reshape(matrix.shape[0], -1) if copy_ok else matrix.view(matrix.shape[0], -1)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon for the hidden weights, torch.optim.AdamW for every other parameter, as one
+    optimizer: a learning-rate schedule, gradient clipping, loss scaling and checkpoints see one
+    set of parameter groups (group 0 is Muon's; the others AdamW's).
+
+    Muon runs with adjust_lr_fn="match_rms_adamw" (Moonshot AI's scaling, which gives its updates
+    the RMS of AdamW's), so one learning rate and weight decay suit both halves. Filters with more
+    than two dimensions are updated through a 2-D view of the same storage (torch's Muon takes
+    matrices only). The groups' lr and weight_decay are read at every step.
+    """
+
+    def __init__(self, hidden: list, rest: list, *, lr: float, weight_decay: float, no_decay_1d: bool = True):
+        muon_class = getattr(torch.optim, "Muon", None)
+        if muon_class is None:
+            raise ImportError(
+                f"optimizer='muon' needs torch.optim.Muon, added in torch {MUON_TORCH}; this torch is "
+                f"{torch.__version__}. Upgrade torch (pip install 'torch>={MUON_TORCH}') or pick another optimizer."
+            )
+        if not hidden:
+            raise ValueError(
+                "optimizer='muon' found no hidden weight matrix for Muon (2-D or more, not an embedding or the output "
+                "head); use 'adamw' for this model."
+            )
+        groups = [{"params": hidden, "weight_decay": weight_decay}, *decay_groups(rest, weight_decay, no_decay_1d)]
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+        # 2-D views sharing storage with the hidden weights: Muon's updates land in the weights.
+        self._permuted = [_is_channels_last(p) for p in hidden]
+        self._views = [_as_matrix(p.detach(), permuted) for p, permuted in zip(hidden, self._permuted)]
+        self.muon = muon_class(self._views, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW([dict(group) for group in self.param_groups[1:]], lr=lr)
+
+    @property
+    def state(self) -> dict:
+        """Both optimizers' state, keyed by the model's parameters (Muon's momentum, AdamW's moments)."""
+        merged = {p: self.muon.state[view] for p, view in zip(self.param_groups[0]["params"], self._views)
+                  if view in self.muon.state}  # fmt: skip
+        return merged | dict(self.adamw.state)
+
+    @state.setter
+    def state(self, value) -> None:  # torch.optim.Optimizer.__init__ assigns an empty state: kept in the parts
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, [*self.muon.param_groups, *self.adamw.param_groups]):
+            inner["lr"], inner["weight_decay"] = outer["lr"], outer["weight_decay"]
+        for p, view, permuted in zip(self.param_groups[0]["params"], self._views, self._permuted):
+            view.grad = None if p.grad is None else _as_matrix(p.grad, permuted, copy_ok=True)
+        self.muon.step()
+        self.adamw.step()
+        for view in self._views:
+            view.grad = None
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(),
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+        for group, saved in zip(self.param_groups, state_dict["groups"]):
+            group.update(saved)
+
+
+def muon_with_adamw(model, *, lr: float, weight_decay: float, no_decay_1d: bool = True) -> MuonWithAdamW:
+    """The "muon" optimizer: torch.optim.Muon on the hidden weights (see muon_parameters), AdamW on the rest."""
+    hidden, rest = muon_parameters(model)
+    return MuonWithAdamW(hidden, rest, lr=lr, weight_decay=weight_decay, no_decay_1d=no_decay_1d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules
 
 
 def make_schedule(

@@ -187,3 +187,59 @@ def show_images(images, labels, classes: Sequence[str], count: int = 16, mean=No
         axis.set_title(classes[int(label)], fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def plot_lr_find(result, title: str = ""):
+    """The lr range test (gk.lr_find): loss against lr (log scale), measured and smoothed, with the
+    suggested lr and the minimum of the smoothed loss marked."""
+    import math
+
+    figure, (axis,) = _figure(width=6.0)
+    finite = [(lr, loss) for lr, loss in zip(result.lrs, result.losses) if math.isfinite(loss)]
+    axis.plot([lr for lr, _ in finite], [loss for _, loss in finite], alpha=0.35, label="loss per step")
+    axis.plot(result.lrs, result.smoothed, label="smoothed")
+    axis.axvline(result.best_lr, color="gray", linestyle=":", linewidth=1, label=f"minimum ({result.best_lr:.2g})")
+    axis.axvline(result.suggestion, color="C3", linestyle="--", label=f"suggestion {result.suggestion:.2g}")
+    low = min(result.smoothed)
+    axis.set_ylim(top=max(low * 3, min(finite[0][1] * 1.5, max(loss for _, loss in finite))))
+    axis.set(xscale="log", xlabel="learning rate", ylabel="training loss",
+             title=title or f"lr range test: {result.rule}")  # fmt: skip
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def plot_lr_sensitivity(results: dict[str, tuple[Sequence[float], Sequence[float]]], *, ylabel: str = "final loss",
+                        title: str = "sensitivity to the learning rate"):  # fmt: skip
+    """One curve per optimizer: a final measure (loss) against the learning rate (log scale). A
+    flat, wide valley means the optimizer forgives a poorly chosen lr."""
+    figure, (axis,) = _figure(width=6.0)
+    for name, (lrs, values) in results.items():
+        axis.plot(lrs, values, "o-", label=name)
+    axis.set(xscale="log", xlabel="peak learning rate", ylabel=ylabel, title=title)
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def plot_spread(runs: dict[str, Sequence[tuple[Sequence[float], Sequence[float]]]], *, xlabel: str, ylabel: str,
+                title: str = "", logy: bool = False):  # fmt: skip
+    """Curves of several seeds per name: the median as a line, the range over seeds as a band."""
+    import numpy as np
+
+    figure, (axis,) = _figure(width=6.0)
+    for index, (name, curves) in enumerate(runs.items()):
+        length = min(len(y) for _, y in curves)
+        x = np.asarray(curves[0][0][:length])
+        ys = np.asarray([y[:length] for _, y in curves])
+        axis.plot(x, np.median(ys, axis=0), color=f"C{index}", label=f"{name} ({len(curves)} seeds)")
+        axis.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=f"C{index}", alpha=0.2)
+    axis.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logy:
+        axis.set_yscale("log")
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure

@@ -5,6 +5,7 @@ launch.py      `launch(fn, nprocs)`: run a function in several processes, notebo
 parallel.py    setup/cleanup, DDP and FSDP2, sharded loaders, collectives for metrics
 pipeline.py    a model split over two ranks, micro-batches flowing between them
 scaling.py     measured: all-reduce bandwidth, throughput by workers, DDP variants
+zero.py        optimizer state sharded over ranks: ZeRO-1 with DDP, against DDP and FSDP2
 costmodel.py   predicted: a ring all-reduce cost model against published scaling figures
 
 One worker function runs everywhere: under `launch` (a notebook or a script), under torchrun on
@@ -26,7 +27,7 @@ data, skips the gradient all-reduce on accumulation micro-batches, averages the 
 over ranks, shows progress and writes checkpoints on rank 0 only.
 """
 
-from . import costmodel, pipeline, scaling
+from . import costmodel, pipeline, scaling, zero
 from .launch import WorkerError, launch
 from .parallel import (
     COMPRESSIONS,
@@ -53,10 +54,12 @@ from .parallel import (
     sum_over_ranks,
     world_size,
 )
+from .zero import compare_sharding, zero_optimizer
 
 __all__ = [
     "COMPRESSIONS", "DEFAULT_TIMEOUT_SECONDS", "Worker", "WorkerError", "average_parameters", "barrier",
-    "check_same", "cleanup", "costmodel", "data_parallel", "default_device", "is_main", "is_sharded", "launch",
+    "check_same", "cleanup", "compare_sharding", "costmodel", "data_parallel", "default_device", "is_main", "is_sharded", "launch",
     "mean_over_ranks", "no_sync", "pipeline", "prepare", "print0", "rank", "scaling", "setup", "shard",
-    "sharded_data_parallel", "sharded_loader", "state_bytes", "sum_over_ranks", "world_size",
+    "sharded_data_parallel", "sharded_loader", "state_bytes", "sum_over_ranks", "world_size", "zero",
+    "zero_optimizer",
 ]  # fmt: skip

@@ -138,3 +138,35 @@ def estimate(
         for size in sizes
     ]  # fmt: skip
     return predictions[0] if batch_sizes is None else predictions
+
+
+# Optimizer state per name: (copies of each parameter it keeps, bytes per parameter tensor). The
+# copies have the parameter's dtype; the per-tensor bytes are a float32 step counter. From each
+# optimizer's documented algorithm: momentum keeps one buffer (SGD, LARS, Muon), RMSprop and
+# Adagrad one running sum of squared gradients, Adam, AdamW and LAMB two moments. timm's LAMB
+# counts steps per group, not per tensor.
+OPTIMIZER_STATE = {
+    "sgd": (1, 0), "momentum": (1, 0), "nesterov": (1, 0), "lars": (1, 0),
+    "adam": (2, 4), "adamw": (2, 4), "lamb": (2, 0), "rmsprop": (1, 4), "adagrad": (1, 4),
+}  # fmt: skip
+
+
+def optimizer_state_bytes(model: nn.Module, optimizer: str = "adamw") -> int:
+    """Bytes of optimizer state that `make_optimizer(optimizer, model, ...)` keeps after its first
+    step, predicted from the parameters' sizes: e.g. AdamW 2 × the parameters' bytes (+ 4 bytes of
+    step count per tensor), SGD with momentum 1 ×. "muon": 1 × for the hidden weights Muon takes,
+    AdamW's for the rest. Counts each parameter once (tied weights) and only those with
+    requires_grad. In a job sharded with ZeRO or FSDP2 each rank keeps about this ÷ world size.
+    """
+    from ..optim import OPTIMIZERS, muon_parameters
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {', '.join(map(repr, OPTIMIZERS))}.")
+    check_model(model)
+    if optimizer == "muon":
+        hidden, rest = muon_parameters(model)
+        copies, per_tensor = OPTIMIZER_STATE["adamw"]
+        return sum(p.nbytes for p in hidden) + sum(copies * p.nbytes + per_tensor for p in rest)
+    copies, per_tensor = OPTIMIZER_STATE[optimizer]
+    parameters = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return sum(copies * p.nbytes + per_tensor for p in parameters)

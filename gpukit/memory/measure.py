@@ -186,10 +186,10 @@ def build_optimizer(optimizer, model: nn.Module, foreach: bool | None) -> tuple[
     """fit's optimizer for `model` (so the memory matches fit's), and its name."""
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            "pass the optimizer as a name ('sgd', 'adamw') or a function of the parameters: an Optimizer "
+            "pass the optimizer as a name ('sgd', 'adamw', ...) or a function of the parameters: an Optimizer "
             "object is tied to one model's parameters, and memory is measured on a copy."
         )
-    built = make_optimizer(optimizer, model.parameters(), lr=1e-3, weight_decay=5e-4)
+    built = make_optimizer(optimizer, model, lr=1e-3, weight_decay=5e-4)
     if foreach is not None:  # CUDA optimizers default to foreach kernels, whose temporaries count
         for group in built.param_groups:
             group["foreach"] = foreach

@@ -19,7 +19,7 @@ from torch import nn
 from .. import distributed
 from ..env import resolve_device
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
-from ..optim import DEFAULT_LR, SCHEDULES, check_lr, make_optimizer, make_schedule
+from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedule
 from ..precision import Precision, get_precision
 from ..runfile import run_environment
 from ..step import Batch, Loss, TrainStep
@@ -131,8 +131,12 @@ def fit(
         `loss` if it returns one, else cross-entropy for integer targets.
     metrics: {name: fn(outputs, target) -> number}, averaged over samples per epoch, as columns
         train_<name> and eval_<name>. Accuracy is added where it means something.
-    lr: the schedule's peak (default 0.05 for an optimizer given by name); an Optimizer or a
-        function you pass keeps its own learning rates unless you also pass lr.
+    optimizer: a name from gpukit.optim.OPTIMIZERS ("sgd" is Nesterov momentum 0.9; "adamw",
+        "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer, or a function of
+        the parameters.
+    lr: the schedule's peak (default per name, gpukit.optim.DEFAULT_LRS: 0.05 for SGD, 1e-3 for
+        AdamW); an Optimizer or a function you pass keeps its own learning rates unless you also
+        pass lr.
     accumulate=k sums gradients over k micro-batches before each optimizer step, which equals one
         k-times larger batch for models without BatchNorm. `batch_size` is the micro-batch; the
         learning-rate schedule counts optimizer steps (max_steps caps them).
@@ -181,10 +185,11 @@ def fit(
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    built = make_optimizer(optimizer, model.parameters(), lr if lr is not None else DEFAULT_LR, weight_decay)
+    peak_lr = lr if lr is not None else default_lr(optimizer)
+    built = make_optimizer(optimizer, model, peak_lr, weight_decay)
     if lr is not None or isinstance(optimizer, str):
         for group in built.param_groups:
-            group["lr"] = lr if lr is not None else DEFAULT_LR  # the schedule's peak
+            group["lr"] = peak_lr  # the schedule's peak
     peak_lr = built.param_groups[0]["lr"]
     scheduler = make_schedule(built, schedule, total_steps, warmup)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself

@@ -176,30 +176,37 @@ def _check_prices(prices: dict) -> dict[str, float]:
     return checked
 
 
-def _largest_batches(peak: Callable[[int], int], usables: dict[int, int], start: int) -> dict[int, int]:
-    """The largest batch under each usable budget (bytes). The peak is a line in the batch size once
-    activations dominate: fit it through two large predictions, read every answer off it, then
-    correct each answer by a few predictions so that peak(answer) ≤ usable < peak(answer + 1)."""
-    low_size, high_size = start, 2 * start
-    slope = max((peak(high_size) - peak(low_size)) / (high_size - low_size), 1.0)
-    # Refit through the largest answer: the slope there is the one that matters.
-    far = max(1, int((max(usables.values()) - peak(low_size)) / slope) + low_size)
-    if far > high_size:
-        slope = max((peak(far) - peak(low_size)) / (far - low_size), 1.0)
-    answers = {}
-    for usable in sorted(set(usables.values())):
-        size = max(1, low_size + int((usable - peak(low_size)) / slope))
-        for _ in range(8):  # corrections: each moves by the error in examples, so one or two suffice
-            if peak(size) > usable:
-                if size == 1:
-                    size = 0
-                    break
-                size = max(1, size - max(1, int((peak(size) - usable) / slope)))
-            elif peak(size + 1) <= usable:
-                size += max(1, int((usable - peak(size + 1)) / slope))
+def _largest_batches(peak: Callable[[int], int], usables: dict[int, int], size: int, activations: int) -> dict[int, int]:
+    """The largest batch under each usable budget (bytes), such that peak(b) ≤ usable < peak(b + 1).
+
+    The peak is a line in the batch size once activations dominate: a line through the sample's
+    prediction and one near the largest answer (guessed from the activations per example) gives
+    every answer; it is checked at the smallest and the largest budget, and only where the check
+    fails does each answer get corrected by further predictions.
+    """
+    per_example = max(activations / size, 1.0)
+    far = max(size + 1, size + int((max(usables.values()) - peak(size)) / per_example))
+    slope = max((peak(far) - peak(size)) / (far - size), 1.0)
+
+    def from_line(usable: int) -> int:
+        return max(0, size + math.floor((usable - peak(size)) / slope))
+
+    def corrected(usable: int, answer: int) -> int:
+        for _ in range(16):  # each move is by the error in examples: one or two suffice
+            if answer >= 1 and peak(answer) > usable:
+                answer = max(0, answer - max(1, int((peak(answer) - usable) / slope)))
+            elif peak(answer + 1) <= usable:
+                answer += max(1, int((usable - peak(answer + 1)) / slope))
             else:
-                break
-        answers[usable] = size
+                return answer
+        return answer
+
+    budgets = sorted(set(usables.values()))
+    answers = {usable: from_line(usable) for usable in budgets}
+    ends = {usable: corrected(usable, answers[usable]) for usable in (budgets[0], budgets[-1])}
+    if any(ends[usable] != answers[usable] for usable in ends):  # the line is off: correct every answer
+        answers = {usable: corrected(usable, answers[usable]) for usable in budgets}
+    answers |= ends
     return {memory: answers[usable] for memory, usable in usables.items()}
 
 
@@ -216,7 +223,8 @@ def _present_machine(device: torch.device, precision: str) -> tuple[str, float, 
             return name, peak, row.bandwidth_tbs
     else:
         name = f"this CPU ({torch.get_num_threads()} threads)"
-    peak = matmul_tflops(device, _DTYPE_KEY[precision] if device.type != "cuda" else _PEAK_KEY[precision], n=1024)
+    peak = matmul_tflops(device, _DTYPE_KEY[precision] if device.type != "cuda" else _PEAK_KEY[precision], n=1024,
+                         repeats=5, warmup=1)  # fmt: skip
     source = torch.empty(2**24, device=device)  # 64 MiB of fp32
     target = torch.empty_like(source)
     seconds = compare({"copy": lambda: target.copy_(source)}, device=device, warmup=1, repeats=5)["copy"].median
@@ -281,7 +289,7 @@ def plan(
     flops = flops_per_step(model, resized(sample, size, torch.device("meta")), loss_fn=loss_fn)
     traffic = step_traffic(memory)
     usables = {gpu.memory_bytes: int(gpu.memory_bytes * (1 - margin)) for gpu in chosen}
-    largest = _largest_batches(lambda b: predicted(b).total, usables, max(size, 16))
+    largest = _largest_batches(lambda b: predicted(b).total, usables, size, memory.activations)
 
     check: dict = {}
     if mfu == "typical":

@@ -92,7 +92,8 @@ _DEFAULTS = [
     # bf16/fp16 181 (½ of 362 sparse), fp8 362 (½ of 724 sparse), 300 W.
     GPU("L40", 48, 0.864, 90.5, 90.5, 181.0, 181.0, 362.0, (8, 9), 300, ("L40",)),
     # NVIDIA L40S datasheet (2023): 48 GB GDDR6, 864 GB/s, 91.6 FP32, tf32 183 (½ of 366 sparse),
-    # bf16/fp16 362 (½ of 733 sparse), fp8 733 (½ of 1,466 sparse), 350 W.
+    # bf16/fp16 362 (the sheet's dense 362.05; its sparse 733 is not quite twice that), fp8 733
+    # (½ of 1,466 sparse), 350 W.
     GPU("L40S", 48, 0.864, 91.6, 183.0, 362.0, 362.0, 733.0, (8, 9), 350, ("L40S",)),
     # NVIDIA A100 datasheet (2021), SXM: 19.5 FP32, tf32 156 (½ of 312 sparse), bf16/fp16 312
     # (½ of 624 sparse), 400 W; 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s (the PCIe
@@ -180,7 +181,8 @@ def find_gpu(device_name: str) -> GPU | None:
 
 
 def get_gpu(name: str | GPU) -> GPU:
-    """A GPU by the table's name ("H100 SXM", case-insensitive) or a device name; a GPU passes through.
+    """A GPU by the table's name ("H100 SXM", case-insensitive) or a driver's device name ("NVIDIA
+    H100 80GB HBM3", "Tesla T4"); a GPU passes through.
 
     Raises ValueError naming the closest known GPUs when there is no such row.
     """
@@ -189,7 +191,9 @@ def get_gpu(name: str | GPU) -> GPU:
     if not isinstance(name, str):
         raise TypeError(f"a GPU is named by a string such as 'H100 SXM', got {type(name).__name__}.")
     by_name = {key.upper(): gpu for key, gpu in GPUS.items()}
-    found = by_name.get(name.strip().upper()) or find_gpu(name)
+    found = by_name.get(name.strip().upper())
+    if found is None and name.strip().upper().startswith(("NVIDIA", "TESLA")):  # a driver's name for it
+        found = find_gpu(name)
     if found is not None:
         return found
     close = difflib.get_close_matches(name.upper(), list(by_name), n=3, cutoff=0.4)

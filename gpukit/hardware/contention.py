@@ -1,8 +1,11 @@
 """Contention, measured: two training processes sharing one device against each one alone.
 
 On a GPU both processes train on the same GPU (time-sliced by the driver, as when a forgotten
-notebook kernel or another user's job shares it); on a CPU both use all the cores, as a GPU job
-uses the whole GPU. Phases alternate (process 0 alone, process 1 alone, both together) over
+notebook kernel or another user's job shares it). On a CPU the shared device is one core: both
+processes are pinned to the same core with one thread each, so a process alone has the whole
+"device", as on a GPU. (Two threads per process on two cores would also contend, but GNU OpenMP's
+spinning threads then slow down far more than the sharing explains: 8× measured on a loaded
+2-core machine.) Phases alternate (process 0 alone, process 1 alone, both together) over
 several rounds, so that drift and other load on the machine hit every phase alike; the result
 holds the median throughput of each process in each phase.
 """
@@ -34,6 +37,7 @@ class ContentionResult:
     device: str
     threads: int  # CPU threads per process
     rounds: int
+    cores: list[int] | None = None  # the CPU cores both processes were pinned to; None on a GPU
 
     @property
     def alone_sum(self) -> float:
@@ -54,7 +58,8 @@ class ContentionResult:
                 for rank, (a, s) in enumerate(zip(self.alone, self.shared))]  # fmt: skip
         rows.append({"process": "both", "alone samples/s": self.alone_sum, "shared samples/s": self.shared_sum,
                      "shared / alone": self.shared_sum / self.alone_sum})  # fmt: skip
-        return Table(rows, title=f"two training processes on {self.device} ({self.threads} threads each), "
+        where = self.device if self.cores is None else f"CPU core {', '.join(map(str, self.cores))}"
+        return Table(rows, title=f"two training processes sharing {where} ({self.threads} thread(s) each), "
                                  f"medians of {self.rounds} rounds")  # fmt: skip
 
     def plot(self):
@@ -65,11 +70,13 @@ class ContentionResult:
         return plot_bars(values, ylabel="samples/s", title=f"contention on {self.device}")
 
 
-def _worker(make_model, make_batch, steps, rounds, threads, device_name, optimizer, precision):
+def _worker(make_model, make_batch, steps, rounds, threads, cores, device_name, optimizer, precision):
     """One of the two processes: the same phases in the same order, held in step by barriers."""
     from .. import distributed
 
     worker = distributed.setup()  # gloo: the barriers only; both processes use `device_name`
+    if cores is not None:
+        os.sched_setaffinity(0, cores)  # this process only, and it exits at the end
     torch.set_num_threads(threads)
     device = torch.device(device_name)
     model = make_model().to(device)
@@ -101,7 +108,6 @@ def measure_contention(
     steps: int = 10,
     rounds: int = 3,
     device: str | None = None,
-    threads: int | None = None,
     optimizer: str = "sgd",
     precision: str = "fp32",
     timeout: float = 300,
@@ -111,9 +117,8 @@ def measure_contention(
     make_model, make_batch: functions that build the model and one batch in each process (sent
         by value, so functions defined in a notebook work).
     steps: optimizer steps per phase; rounds: how often the three phases repeat (medians).
-    device: "cuda" (both processes on GPU 0) or "cpu"; default a GPU when there is one.
-    threads: CPU threads per process; default all usable cores, so that each process alone can
-        use the whole CPU, as a process alone on a GPU can use the whole GPU.
+    device: "cuda" (both processes on GPU 0) or "cpu" (both pinned to one core, one thread
+        each; where CPU affinity cannot be set, both use all cores); default a GPU when there is one.
     """
     for name, value in (("steps", steps), ("rounds", rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,14 +130,20 @@ def measure_contention(
     if device is None:
         device = "cuda" if detect().gpu_count else "cpu"
     device_name = "cuda:0" if torch.device(device).type == "cuda" else "cpu"
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = threads if threads is not None else usable
-    results = launch(_worker, 2, make_model, make_batch, steps, rounds, threads, device_name, optimizer, precision,
-                     backend="gloo", timeout=timeout)  # fmt: skip
+    cores = threads = None
+    if device_name == "cpu" and hasattr(os, "sched_setaffinity"):
+        cores, threads = [min(os.sched_getaffinity(0))], 1
+    elif device_name == "cpu":
+        threads = os.cpu_count() or 1
+    else:
+        threads = 1  # the GPU does the work
+    results = launch(_worker, 2, make_model, make_batch, steps, rounds, threads, cores, device_name, optimizer,
+                     precision, backend="gloo", timeout=timeout)  # fmt: skip
     return ContentionResult(
         alone=[result["alone"] for result in results],
         shared=[result["shared"] for result in results],
         device=device_name,
         threads=threads,
         rounds=rounds,
+        cores=cores,
     )

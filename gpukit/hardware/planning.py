@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -222,9 +221,9 @@ def _present_machine(device: torch.device, precision: str) -> tuple[str, float, 
         if peak is not None:
             return name, peak, row.bandwidth_tbs
     else:
-        name = f"this CPU ({torch.get_num_threads()} threads)"
+        name = f"this CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     peak = matmul_tflops(device, _DTYPE_KEY[precision] if device.type != "cuda" else _PEAK_KEY[precision], n=1024,
-                         repeats=5, warmup=1)  # fmt: skip
+                         repeats=3, warmup=1)  # fmt: skip
     source = torch.empty(2**24, device=device)  # 64 MiB of fp32
     target = torch.empty_like(source)
     seconds = compare({"copy": lambda: target.copy_(source)}, device=device, warmup=1, repeats=5)["copy"].median
@@ -342,14 +341,29 @@ def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, preci
 
 def _measure(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
     """MFU of real steps at `size` on the machine present, and the check: the step time at 2·size
-    predicted from that MFU against a measured step at 2·size (timed interleaved)."""
+    predicted from that MFU against a measured step at 2·size (timed interleaved).
+
+    On a CPU, peak and steps are measured on one thread (restored afterwards): MFU is a ratio, so
+    it carries over, and one thread is not thrown off by other load the way several OpenMP threads
+    are (they spin waiting for each other: 8× slower steps measured on a loaded 2-core machine).
+    """
     device = resolve_device(device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
     name, peak, bandwidth = _present_machine(device, precision)
     copy_of_model = copy.deepcopy(model).to(device)
     built = make_optimizer(optimizer, copy_of_model.parameters(), 1e-3, 0.0)
     step = TrainStep(copy_of_model, built, get_precision(precision, device), Loss(loss_fn))
     batches = {b: to_device(repeated(sample, b), device) for b in (size, 2 * size)}
-    timings = compare({b: (lambda b=b: step(batches[b])) for b in batches}, device=device, repeats=repeats)
+    timings = compare({b: (lambda b=b: step(batches[b])) for b in batches}, device=device, warmup=1, repeats=repeats)
     measured = {b: timing.median for b, timing in timings.items()}
     mfu_value = flops / measured[size] / (peak * 1e12)
     predicted = roofline_seconds(*double, peak, bandwidth, mfu_value)  # (FLOPs, bytes) at 2·size
@@ -358,6 +372,5 @@ def _measure(model, sample, size, flops, double, optimizer, precision, device, l
         "predicted batch": 2 * size, "predicted ms": predicted * 1e3, "measured ms": measured[2 * size] * 1e3,
         "error": predicted / measured[2 * size] - 1,
     }  # fmt: skip
-    threads = f", {os.cpu_count()} cores" if device.type == "cpu" else ""
-    source = f"measured for this model on {name}{threads}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
+    source = f"measured for this model on {name}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
     return mfu_value, source, check

@@ -175,7 +175,9 @@ def _check_prices(prices: dict) -> dict[str, float]:
     return checked
 
 
-def _largest_batches(peak: Callable[[int], int], usables: dict[int, int], size: int, activations: int) -> dict[int, int]:
+def _largest_batches(
+    peak: Callable[[int], int], usables: dict[int, int], size: int, activations: int
+) -> dict[int, int]:
     """The largest batch under each usable budget (bytes), such that peak(b) ≤ usable < peak(b + 1).
 
     The peak is a line in the batch size once activations dominate: a line through the sample's

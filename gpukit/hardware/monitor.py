@@ -78,7 +78,7 @@ def _nvml_index(cuda_index: int) -> int:
 class _Rapl:
     """CPU package energy from Linux RAPL counters (µJ, wrapping at max_energy_range_uj)."""
 
-    def __init__(self, root: str = RAPL_ROOT):
+    def __init__(self, root: str):
         self.zones = [Path(path) for path in sorted(glob.glob(os.path.join(root, "intel-rapl:[0-9]*")))]
         self.zones = [zone for zone in self.zones if ":" not in zone.name.split("intel-rapl:")[1]]  # packages only
         if not self.zones:
@@ -109,7 +109,7 @@ class Monitor:
     """
 
     def __init__(self, device="cuda", *, interval: float = 0.1, grid_intensity: float = DEFAULT_GRID_INTENSITY,
-                 strict: bool = False, rapl_root: str = RAPL_ROOT):  # fmt: skip
+                 strict: bool = False, rapl_root: str | None = None):  # fmt: skip
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}; 0.1 samples at 10 Hz.")
         if isinstance(grid_intensity, bool) or not isinstance(grid_intensity, (int, float)) or grid_intensity < 0:
@@ -127,7 +127,7 @@ class Monitor:
             self._open_nvml(_nvml_index(device.index or 0))
         else:
             try:
-                self._rapl = _Rapl(rapl_root)
+                self._rapl = _Rapl(rapl_root if rapl_root is not None else RAPL_ROOT)
                 self.available, self.source = True, "RAPL"
             except MonitorUnavailable as error:
                 self.reason = f"CPU energy not available: {error}; no GPU to ask NVML"

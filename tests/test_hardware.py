@@ -280,3 +280,13 @@ def test_contention_result_and_bad_input():
 def test_segment_row_keeps_only_what_was_measured():
     assert Segment(seconds=1.0).as_row() == {}
     assert Segment(seconds=1.0, energy_j=5.0, samples=3).as_row() == {"energy_j": 5.0, "throttle_reasons": "none"}
+
+
+def test_kernels_counted_grow_with_depth():
+    from gpukit.hardware.planning import count_kernels
+
+    batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    one = count_kernels(torch.nn.Sequential(torch.nn.Linear(8, 3)), batch)
+    three = count_kernels(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                              torch.nn.ReLU(), torch.nn.Linear(8, 3)), batch)  # fmt: skip
+    assert 3 <= one < three  # at least a matmul forward, two backward; more layers, more kernels

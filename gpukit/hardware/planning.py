@@ -1,8 +1,8 @@
 """Which GPU for your model: what fits, the largest batch, step time, and the time and cost of a run.
 
 Memory comes from gk.memory (fake tensors: nothing runs), step time from a roofline: the step's
-FLOPs against the GPU's dense peak at a stated MFU, and its memory traffic against the GPU's
-bandwidth, whichever takes longer. On the machine present, `plan` measures the MFU and checks the
+FLOPs against the GPU's dense peak at a stated MFU, its memory traffic against the GPU's
+bandwidth, and its kernel launches against a stated launch latency, whichever takes longest. On the machine present, `plan` measures the MFU and checks the
 model against a real run at another batch size, so you see how far to trust the prediction.
 """
 
@@ -25,7 +25,7 @@ from ..memory.plan import repeated
 from ..optim import make_optimizer
 from ..precision import Precision, get_precision
 from ..report import Table, format_bytes
-from ..step import Loss, TrainStep, to_device
+from ..step import Loss, TrainStep, forward_backward, split_batch, to_device
 from .gpus import GPU, GPUS, get_gpu
 
 # Example on-demand prices in US$ per GPU-hour, for one GPU. Prices change often and differ by
@@ -46,6 +46,11 @@ PRICES: dict[str, float] = {
 # far less, which is why the default is to measure your own model on the machine present.
 TYPICAL_MFU = 0.35
 
+# Seconds the host needs to launch one CUDA kernel in eager PyTorch (dispatch plus launch): a few
+# microseconds; 5 µs is a typical figure. Small models are bound by it, not by FLOPs: the GPU waits
+# for the next kernel. CUDA graphs and torch.compile remove most of it.
+LAUNCH_SECONDS = 5e-6
+
 _PEAK_KEY = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 _DTYPE_KEY = {"fp32": "fp32", "tf32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}  # CPU matmuls
 
@@ -58,9 +63,31 @@ def step_traffic(memory: MemoryBreakdown) -> int:
     return 2 * memory.activations + 3 * memory.params + 2 * memory.grads + 2 * memory.optimizer_state
 
 
-def roofline_seconds(flops: float, traffic: float, peak_tflops: float, bandwidth_tbs: float, mfu: float) -> float:
-    """Step time (s): FLOPs at `mfu` of the peak, or bytes at the peak bandwidth, whichever is slower."""
-    return max(flops / (peak_tflops * 1e12 * mfu), traffic / (bandwidth_tbs * 1e12))
+def roofline_seconds(flops: float, traffic: float, peak_tflops: float, bandwidth_tbs: float, mfu: float,
+                     launches: int = 0) -> float:  # fmt: skip
+    """Step time (s): FLOPs at `mfu` of the peak, bytes at the peak bandwidth, or `launches` kernels
+    at LAUNCH_SECONDS each, whichever is slowest."""
+    return max(flops / (peak_tflops * 1e12 * mfu), traffic / (bandwidth_tbs * 1e12), launches * LAUNCH_SECONDS)
+
+
+def count_kernels(model: nn.Module, batch, loss_fn=None) -> int:
+    """Operators of one forward and backward that compute (views excluded): about one CUDA kernel
+    each in eager mode. Counted on a copy of the model on the meta device (nothing runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    meta_model = copy.deepcopy(model).to("meta")
+    meta_batch = split_batch(batch).map(lambda tensor: tensor.to("meta"))
+    with Counter() as counter:
+        forward_backward(meta_model, meta_batch, Loss(loss_fn, check_targets=False))
+    return counter.count
 
 
 @dataclass
@@ -74,7 +101,7 @@ class PlanRow:
     fits: bool
     largest_batch: int  # the largest batch whose step fits `usable` (0: not even one example)
     step_time: float | None  # None: the GPU has no tensor cores for this precision
-    bound: str | None  # "compute" or "memory": which roof limits the step
+    bound: str | None  # "compute", "memory" or "launch": which roof limits the step
     hours: float | None
     price: float | None  # US$ per GPU-hour
     cost: float | None  # US$ for the run
@@ -101,6 +128,7 @@ class Plan:
     margin: float
     flops: int  # per step at batch_size
     traffic: int  # bytes per step at batch_size (a lower bound, see step_traffic)
+    kernels: int  # kernel launches per step (forward and backward; see count_kernels)
     memory: MemoryBreakdown  # the prediction at batch_size (for CUDA)
     mfu: float
     mfu_source: str
@@ -119,7 +147,8 @@ class Plan:
     def table(self) -> Table:
         title = (
             f"batch {self.batch_size}, {self.steps:,} steps, {self.precision}, {self.optimizer}: "
-            f"{self.flops / 1e9:.3g} GFLOP and ≥ {format_bytes(self.traffic)} moved per step, MFU {self.mfu:.0%} "
+            f"{self.flops / 1e9:.3g} GFLOP, ≥ {format_bytes(self.traffic)} moved and {self.kernels} kernels per step "
+            f"({LAUNCH_SECONDS * 1e6:g} µs each), MFU {self.mfu:.0%} "
             f"({self.mfu_source}), {self.margin:.0%} memory margin"
         )
         return Table([row.as_dict() for row in self.rows], title=title)
@@ -289,6 +318,7 @@ def plan(
     memory = predicted(size)
     flops = flops_per_step(model, resized(sample, size, torch.device("meta")), loss_fn=loss_fn)
     traffic = step_traffic(memory)
+    kernels = count_kernels(model, sample, loss_fn)
     usables = {gpu.memory_bytes: int(gpu.memory_bytes * (1 - margin)) for gpu in chosen}
     largest = _largest_batches(lambda b: predicted(b).total, usables, size, memory.activations)
 
@@ -310,9 +340,10 @@ def plan(
         fits = memory.total <= usable
         step_time = bound = hours = cost = None
         if peak is not None:
-            step_time = roofline_seconds(flops, traffic, peak, gpu.bandwidth_tbs, mfu_value)
-            compute = flops / (peak * 1e12 * mfu_value)
-            bound = "compute" if compute >= traffic / (gpu.bandwidth_tbs * 1e12) else "memory"
+            roofs = {"compute": flops / (peak * 1e12 * mfu_value), "memory": traffic / (gpu.bandwidth_tbs * 1e12),
+                     "launch": kernels * LAUNCH_SECONDS}  # fmt: skip
+            bound = max(roofs, key=roofs.get)
+            step_time = roofs[bound]
         price = price_table.get(gpu.name)
         if fits and step_time is not None:
             hours = step_time * steps / 3600
@@ -323,8 +354,8 @@ def plan(
         raise ValueError(_fits_nowhere(rows, memory, size, precision, optimizer))
     _mark_pareto(rows)
     source = PRICES_SOURCE + ("; some given by you" if prices else "")
-    return Plan(rows, size, steps, precision, optimizer, margin, flops, traffic, memory, mfu_value, mfu_source,
-                source, check)  # fmt: skip
+    return Plan(rows, size, steps, precision, optimizer, margin, flops, traffic, kernels, memory, mfu_value,
+                mfu_source, source, check)  # fmt: skip
 
 
 def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, precision: str, optimizer: str) -> str:
@@ -368,7 +399,8 @@ def _measure_here(model, sample, size, flops, double, optimizer, precision, devi
     timings = compare({b: (lambda b=b: step(batches[b])) for b in batches}, device=device, warmup=1, repeats=repeats)
     measured = {b: timing.median for b, timing in timings.items()}
     mfu_value = flops / measured[size] / (peak * 1e12)
-    predicted = roofline_seconds(*double, peak, bandwidth, mfu_value)  # (FLOPs, bytes) at 2·size
+    # (FLOPs, bytes) at 2·size; launch latency is part of the MFU measured here, so no third roof.
+    predicted = roofline_seconds(*double, peak, bandwidth, mfu_value)
     check = {
         "device": name, "peak TFLOP/s": peak, "bandwidth TB/s": bandwidth, "MFU at batch": size,
         "predicted batch": 2 * size, "predicted ms": predicted * 1e3, "measured ms": measured[2 * size] * 1e3,

@@ -253,7 +253,17 @@ def test_fit_monitor_without_nvml_says_it_once_and_adds_nothing(monkeypatch, cap
 
 def test_fit_monitor_adds_energy_per_epoch(monkeypatch, device):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(power_w=50.0))
-    model = gk.models.linear_classifier(image_shape=(3, 8, 8))
+
+    class Slow(torch.nn.Module):  # steps of 20 ms, so that every epoch holds several 10 ms samples
+        def __init__(self):
+            super().__init__()
+            self.inner = gk.models.linear_classifier(image_shape=(3, 8, 8))
+
+        def forward(self, images):
+            time.sleep(0.02)
+            return self.inner(images)
+
+    model = Slow()
     watcher = Monitor("cuda", interval=0.01, grid_intensity=100.0)  # the fake GPU, while training on the CPU
     history = gk.fit(model, _tiny_data(), epochs=2, batch_size=16, device=device, progress=False, monitor=watcher)
     for row in history.epochs:

@@ -6,7 +6,7 @@ that use the GPU afterwards.
 
 import sys
 
-from . import bench, data, distributed, memory, models, optim, plots, step, train
+from . import bench, data, distributed, hardware, memory, models, optim, plots, step, train
 from .doctor import doctor
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
 from .memory import checkpointing
@@ -22,6 +22,6 @@ __version__ = "0.1.0"
 __all__ = [
     "PRECISIONS", "PROFILES", "CheckpointError", "Env", "History", "NonFiniteLossError", "Precision", "Profile",
     "Table", "bench", "checkpointing", "data", "detect", "distributed", "doctor", "evaluate", "fit",
-    "format_bytes", "get_precision", "lr_find", "memory", "models", "optim", "plots", "resolve_device", "seed_everything",
-    "step", "train",
+    "format_bytes", "get_precision", "hardware", "lr_find", "memory", "models", "optim", "plots", "resolve_device",
+    "seed_everything", "step", "train",
 ]  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -180,55 +179,17 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
     return counter.get_total_flops()
 
 
-# Peak dense (no structured sparsity) tensor-core throughput in TFLOP/s, per precision.
-# Sources: NVIDIA datasheets; where a sheet lists "with sparsity" figures, dense is half.
-#   V100: Tesla V100 datasheet (SXM2: 15.7 FP32, 125 tensor FP16; PCIe: 14, 112)
-#   T4: Tesla T4 datasheet (8.1 FP32, 65 FP16 tensor)
-#   A100: A100 datasheet (19.5 FP32, 156 TF32, 312 BF16/FP16)
-#   A10: A10 datasheet (31.2 FP32, 62.5 TF32, 125 BF16/FP16)
-#   L4: L4 datasheet (30.3 FP32, 60 TF32, 121 BF16/FP16 dense)
-#   L40S: L40S datasheet (91.6 FP32, 183 TF32, 362 BF16/FP16 dense)
-#   H100 SXM / H200: H100 and H200 datasheets (67 FP32, 494.7 TF32, 989.4 BF16/FP16 dense)
-#   H100 PCIe: H100 datasheet (51 FP32, 378 TF32, 756 BF16/FP16 dense)
-#   H100 NVL: H100 datasheet, per GPU of the pair (60 FP32, 417.5 TF32, 835 BF16/FP16 dense)
-#   L40: L40 datasheet (90.5 FP32, 90.5 TF32, 181 BF16/FP16 dense)
-#   RTX 4090: Ada Lovelace architecture whitepaper (82.6 FP32, 82.6 TF32, 165.2 FP16/BF16 with FP32 accumulate)
-#   RTX 3090: Ampere GA102 whitepaper (35.6 FP32, 35.6 TF32, 71 FP16/BF16 with FP32 accumulate)
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
-    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.0, "fp16": 835.0},
-    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
-    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    "A10": {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
-    "L40S": {"fp32": 91.6, "tf32": 183.0, "bf16": 362.0, "fp16": 362.0},
-    "L40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0},
-    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
-    "RTX 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2},
-    "RTX 3090": {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0},
-    "V100 PCIe": {"fp32": 14.0, "fp16": 112.0},
-    "V100": {"fp32": 15.7, "fp16": 125.0},
-    "T4": {"fp32": 8.1, "fp16": 65.0},
-}
-
-
 def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     """Datasheet peak dense TFLOP/s of a GPU by name ("NVIDIA H100 80GB HBM3", …), or None.
 
-    `precision` is "fp32", "tf32", "bf16" or "fp16" (a "-mixed" suffix is ignored).
+    `precision` is "fp32", "tf32", "bf16", "fp16" or "fp8" (a "-mixed" suffix is ignored). The
+    figures come from the one GPU table, gk.hardware.GPUS (each row cites its datasheet).
     """
-    precision = precision.removesuffix("-mixed")
-    # Whole words only, so that "L40" does not match "L4" and "RTX 3090 Ti" does not match "RTX 3090".
-    words = set(re.split(r"[\s_-]+", device_name.upper()))
-    for key, peaks in PEAK_TFLOPS.items():  # more specific names come first
-        if set(key.upper().split()) <= words and not _is_variant(key, words):
-            return peaks.get(precision)
-    return None
+    # Imported here: gpukit.hardware's plan imports this module, so a top-level import would be a cycle.
+    from .hardware.gpus import find_gpu
 
-
-def _is_variant(key: str, words: set[str]) -> bool:
-    """A name with a suffix the table does not list (e.g. "Ti") is another GPU."""
-    return "TI" in words and "TI" not in key.upper().split()
+    gpu = find_gpu(device_name)
+    return gpu.peak_tflops(precision) if gpu is not None else None
 
 
 def mfu(flops_per_step: float, step_time: float, peak_tflops: float) -> float:

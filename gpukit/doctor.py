@@ -77,6 +77,9 @@ class GPUStatus:
     temperature: int | None = None  # °C
     power_draw: float | None = None  # W
     power_limit: float | None = None  # W, the enforced limit
+    power_limit_default: float | None = None  # W, the limit the board ships with
+    persistence_mode: bool | None = None  # driver kept loaded between jobs (Linux); off adds start-up latency
+    ecc_errors: int | None = None  # uncorrected ECC memory errors since the driver loaded; None: no ECC
     sm_clock: int | None = None  # MHz
     memory_clock: int | None = None  # MHz
     clock_reasons: list[str] = field(default_factory=list)  # why clocks are below maximum, decoded
@@ -141,6 +144,10 @@ class Report:
                 "util %": gpu.utilization,
                 "temp °C": gpu.temperature,
                 "power W": f"{_number(gpu.power_draw)} / {_number(gpu.power_limit)}",
+                "limit / default W": f"{_number(gpu.power_limit)} / {_number(gpu.power_limit_default)}",
+                "persistence": gpu.persistence_mode,
+                "ECC errors": gpu.ecc_errors,
+                "datasheet": _datasheet(gpu.name),
                 "SM MHz": gpu.sm_clock,
                 "memory MHz": gpu.memory_clock,
                 "clocks limited by": ", ".join(gpu.clock_reasons) or "nothing",
@@ -190,6 +197,18 @@ class Report:
 
 def _number(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
+
+
+def _datasheet(device_name: str) -> str:
+    """The GPU table's row for this GPU, in a few words (gk.hardware.GPUS)."""
+    # Imported here: gpukit.hardware imports this module (the clock reasons).
+    from .hardware.gpus import find_gpu
+
+    gpu = find_gpu(device_name)
+    if gpu is None:
+        return "not in gk.hardware.GPUS"
+    bf16 = f"{gpu.bf16:g} bf16 TFLOP/s" if gpu.bf16 is not None else "no bf16"
+    return f"{gpu.name}: cc {gpu.compute_capability[0]}.{gpu.compute_capability[1]}, {bf16}, TDP {gpu.tdp_w:g} W"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +284,25 @@ def _process_warning(gpu: GPUStatus, own_pid: int) -> str | None:
     )
 
 
+def _power_limit_warning(gpu: GPUStatus) -> str | None:
+    if gpu.power_limit is None or gpu.power_limit_default is None or gpu.power_limit >= gpu.power_limit_default - 1:
+        return None
+    return (
+        f"GPU {gpu.index} ({gpu.name}) has a power limit of {gpu.power_limit:.0f} W, below its default "
+        f"{gpu.power_limit_default:.0f} W, so under load it runs at lower clocks than its datasheet figures. If that "
+        "is not intended, ask the machine's admin (`nvidia-smi -q -d POWER` shows both)."
+    )
+
+
+def _ecc_warning(gpu: GPUStatus) -> str | None:
+    if not gpu.ecc_errors:
+        return None
+    return (
+        f"GPU {gpu.index} ({gpu.name}) reports {gpu.ecc_errors} uncorrected ECC memory error(s) since the driver "
+        "loaded: results computed on it may be wrong. Ask the machine's admin to check it (`nvidia-smi -q -d ECC`)."
+    )
+
+
 def _cpu_only_build_warning(report: Report) -> str | None:
     if report.cuda_runtime is not None or not (report.gpus or report.nvidia_smi):
         return None
@@ -292,6 +330,7 @@ def warnings(report: Report) -> list[str]:
     found += [_driver_warning(report)]
     found += [_clock_warning(gpu) for gpu in report.gpus]
     found += [_process_warning(gpu, report.pid) for gpu in report.gpus]
+    found += [_power_limit_warning(gpu) for gpu in report.gpus] + [_ecc_warning(gpu) for gpu in report.gpus]
     found += [_cpu_only_build_warning(report), _threads_warning(report)]
     return [warning for warning in found if warning]
 
@@ -390,6 +429,11 @@ def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
     utilization = ask("nvmlDeviceGetUtilizationRates")
     power_draw = ask("nvmlDeviceGetPowerUsage")  # mW
     power_limit = ask("nvmlDeviceGetEnforcedPowerLimit")  # mW
+    power_default = ask("nvmlDeviceGetPowerManagementDefaultLimit")  # mW
+    persistence = ask("nvmlDeviceGetPersistenceMode")  # NVML_FEATURE_ENABLED (1) or DISABLED (0)
+    # Uncorrected errors since the driver loaded; NotSupported (None) on GPUs without ECC.
+    ecc = ask("nvmlDeviceGetTotalEccErrors", getattr(pynvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+              getattr(pynvml, "NVML_VOLATILE_ECC", 0))  # fmt: skip
     # The newer name first; older bindings and drivers have only the "throttle" one.
     mask = ask("nvmlDeviceGetCurrentClocksEventReasons")
     if mask is None:
@@ -408,6 +452,9 @@ def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
         temperature=ask("nvmlDeviceGetTemperature", pynvml.NVML_TEMPERATURE_GPU),  # °C
         power_draw=None if power_draw is None else power_draw / 1000,  # mW → W
         power_limit=None if power_limit is None else power_limit / 1000,
+        power_limit_default=None if power_default is None else power_default / 1000,
+        persistence_mode=None if persistence is None else bool(persistence),
+        ecc_errors=None if ecc is None else int(ecc),
         sm_clock=ask("nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM),  # MHz
         memory_clock=ask("nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_MEM),
         clock_reasons=decode_clock_reasons(mask) if mask is not None else [],

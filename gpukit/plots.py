@@ -22,7 +22,12 @@ def plot_history(history, title: str | None = None):
     panels += [
         name[len("train_") :] for name in names if name.startswith("train_") and name[6:] not in ("loss", "accuracy")
     ]
-    figure, (loss_axis, *axes) = _figure(1 + len(panels))
+    if any(row.get("energy_j") is not None for row in history.epochs):  # fit(monitor=True)
+        panels.append("energy_j")
+    timeline = bool(getattr(history, "monitor", None))
+    figure, (loss_axis, *axes) = _figure(1 + len(panels) + timeline)
+    if timeline:
+        _draw_monitor(axes.pop(), history.monitor)
     loss_axis.plot([r["step"] for r in history.steps], [r["loss"] for r in history.steps])
     loss_axis.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
     if history.steps and min(r["loss"] for r in history.steps) > 0:
@@ -33,6 +38,10 @@ def plot_history(history, title: str | None = None):
             values = [r.get(prefix + panel) for r in history.epochs]
             if any(value is not None for value in values):
                 axis.plot(epochs, values, "o-", label=label)
+        if panel == "energy_j":
+            axis.bar(epochs, [r.get("energy_j") or 0.0 for r in history.epochs])
+            axis.set(xlabel="epoch", ylabel="energy (J)", title="GPU energy per epoch")
+            continue
         axis.set(xlabel="epoch", ylabel=panel, title=f"{panel} per epoch")
         if panel == "accuracy":
             axis.set_ylim(0, 1)
@@ -127,6 +136,36 @@ def _as_run(item) -> tuple[str | None, list[dict], list[dict], dict]:
     if all(hasattr(item, name) for name in ("steps", "epochs", "summary")):
         return None, item.steps, item.epochs, item.summary()
     raise TypeError(f"compare takes History objects or paths of saved ones, got a {type(item).__name__}.")
+
+
+def _draw_monitor(axis, samples: Sequence[dict]) -> None:
+    """Power (W, left axis) and utilisation (%, right axis) over time from Monitor samples."""
+    times = [row["t"] for row in samples]
+    if any("power_w" in row for row in samples):
+        axis.plot(times, [row.get("power_w") for row in samples], color="C3", label="power W")
+    axis.set(xlabel="seconds", ylabel="power (W)", title="GPU over time")
+    if any("utilization" in row for row in samples):
+        right = axis.twinx()
+        right.plot(times, [row.get("utilization") for row in samples], color="C0", alpha=0.6, label="utilisation %")
+        right.set(ylabel="utilisation (%)", ylim=(0, 105))
+    throttled = [row["t"] for row in samples if set(row.get("reasons", [])) - {"idle", "application clocks setting"}]
+    for t in throttled:
+        axis.axvline(t, color="orange", alpha=0.2, linewidth=1)
+
+
+def plot_monitor(samples: Sequence[dict]):
+    """A Monitor's timeline: power and utilisation; SM clock and temperature (orange: throttled)."""
+    figure, (left, right) = _figure(2)
+    _draw_monitor(left, samples)
+    times = [row["t"] for row in samples]
+    if any("sm_clock_mhz" in row for row in samples):
+        right.plot(times, [row.get("sm_clock_mhz") for row in samples], color="C2", label="SM clock MHz")
+    if any("temperature_c" in row for row in samples):
+        right.plot(times, [row.get("temperature_c") for row in samples], color="C1", label="temperature °C")
+    right.set(xlabel="seconds", title="clock and temperature")
+    right.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
 
 
 def plot_curves(

@@ -87,6 +87,10 @@ class Progress:
         shown = [name for name in shown if name.startswith("eval_")] or shown
         shown.sort(key=lambda name: (not name.endswith("accuracy"), not name.endswith("loss")))
         text = " ".join(f"{name} {history.final(name):.3g}" for name in shown[:3])
+        if history.final("energy_j") is not None:  # fit(monitor=True)
+            text += f" {history.final('energy_j'):.0f} J"
+            if history.final("mean_power_w") is not None:
+                text += f" {history.final('mean_power_w'):.0f} W"
         self.bar.set_description(f"epoch {history.epochs[-1]['epoch']} {text}")
 
     def close(self) -> None:

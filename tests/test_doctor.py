@@ -226,3 +226,26 @@ def test_every_problem_at_once():
 def test_decode_clock_reasons():
     assert decode_clock_reasons(0) == []
     assert decode_clock_reasons(0x1 | 0x40 | 0x1000) == ["idle", "hardware thermal slowdown", "unknown reason 0x1000"]
+
+
+def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypatch, forbid_cuda):
+    fake = _fake_pynvml()
+    fake.__dict__.update(
+        nvmlDeviceGetPowerManagementDefaultLimit=lambda handle: 500_000,  # mW: above the enforced 400 W
+        nvmlDeviceGetPersistenceMode=lambda handle: 0,
+        nvmlDeviceGetTotalEccErrors=lambda handle, error_type, counter: 2,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_VOLATILE_ECC=0,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(env, "_cached_gpus", None)
+    (gpu,) = collect().gpus
+    assert (gpu.power_limit, gpu.power_limit_default, gpu.persistence_mode, gpu.ecc_errors) == (400.0, 500.0, False, 2)
+    report = Report(gpus=[gpu], pid=os.getpid())
+    found = warnings(report)
+    assert any("400 W, below its default 500 W" in warning for warning in found)
+    assert any("2 uncorrected ECC" in warning for warning in found)
+    (row,) = report.gpu_table().rows
+    assert row["datasheet"].startswith("A100 80GB: cc 8.0, 312 bf16 TFLOP/s")
+    healthy = GPUStatus(0, "NVIDIA L4", power_limit=72.0, power_limit_default=72.0, ecc_errors=0)
+    assert not warnings(clean_report(gpus=[healthy]))

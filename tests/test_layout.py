@@ -13,10 +13,10 @@ PACKAGE = Path(__file__).parent.parent / "gpukit"
 
 # Lower layers first. A module may import its own layer and the ones before it, never a later one.
 LAYERS = [
-    {"gpukit.env", "gpukit.report", "gpukit.files", "gpukit.precision", "gpukit.runfile"},
+    {"gpukit.env", "gpukit.report", "gpukit.files", "gpukit.precision", "gpukit.runfile", "gpukit.hardware.gpus"},
     {"gpukit.data", "gpukit.models", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.doctor"},
-    {"gpukit.bench", "gpukit.memory", "gpukit.widgets"},
-    {"gpukit.distributed"},
+    {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor"},
+    {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
     {"gpukit.cli", "gpukit.__main__"},
 ]

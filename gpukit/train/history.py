@@ -23,7 +23,9 @@ class History:
     epochs: one row per epoch: epoch, train_loss, then train_accuracy where accuracy means
             something (integer targets scored with cross-entropy), train_<name> for each of your
             metrics; the same with eval_ when there is held-out data; peak_memory (bytes allocated
-            on a CUDA device; None where not measured) and seconds (training only).
+            on a CUDA device; None where not measured) and seconds (training only); with
+            fit(monitor=True), what was measured of energy_j, joules_per_sample, co2_grams,
+            mean_power_w, mean_utilization (%) and throttle_reasons.
     A column that does not apply to the run is absent, never 0.
     sample_name: what one sample is ("image", "sequence" or "sample"), read from the first batch.
     environment: what the run ran on, recorded by fit: device_name, profile, python, torch, cuda,
@@ -41,6 +43,7 @@ class History:
     skipped_steps: int = 0  # fp16 steps skipped by the loss scaler
     seconds: float = 0.0  # wall time of the whole fit, evaluation included
     environment: dict = field(default_factory=dict)
+    monitor: list[dict] = field(default_factory=list)  # fit(monitor=True): GPU samples (see gk.hardware.Monitor)
 
     @property
     def losses(self) -> list[float]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import distributed
 from ..env import resolve_device
+from ..hardware.monitor import Monitor
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
 from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedule
 from ..precision import Precision, get_precision
@@ -120,6 +121,7 @@ def fit(
     checkpoint_dir: str | Path | None = None,
     log_dir: str | Path | None = None,
     seed: int = 0,
+    monitor: bool | Monitor = False,
 ) -> History:
     """Train `model` on `train_data` and return the History of what was measured.
 
@@ -143,6 +145,10 @@ def fit(
     compile: True (torch.compile with its defaults) or a dict of torch.compile options.
     With `checkpoint_dir`, the model, optimizer, schedule, loss scaler and history are saved after
     every epoch (atomically), and a later call with the same directory resumes.
+    monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
+        10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
+        mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
+        are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
     """
@@ -215,6 +221,7 @@ def fit(
         watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
     phase, out_of_memory = "loading data", None  # the phase an out-of-memory error is reported in
     micro_batch_size, first_batch = plan["batch_size"], True
+    watcher = _start_monitor(monitor, device)
     eval_loss = Loss(loss_fn) if label_smoothing else loss  # held-out loss without smoothing
     started = time.perf_counter()
     model.train()
@@ -228,6 +235,8 @@ def fit(
                 elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
                     loader.sampler.set_epoch(epoch)
                 epoch_started = time.perf_counter()
+                if watcher is not None:
+                    watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 tally, window = Tally(device, loss, metrics), _Window(device)
@@ -278,6 +287,7 @@ def fit(
                 *sums, samples = distributed.sum_over_ranks(*tally.tensors(), tally.samples)  # one all-reduce
                 tally.replace(sums, samples)
                 seconds = time.perf_counter() - epoch_started  # training only, evaluation excluded
+                energy = _epoch_energy(watcher, samples) if watcher is not None else {}
                 phase = "evaluation"
                 row = {"epoch": epoch + 1} | tally.read("train_")
                 if eval_data is not None:
@@ -288,6 +298,7 @@ def fit(
                     }
                 row["peak_memory"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                 row["seconds"] = seconds
+                row |= energy
                 history.epochs.append(row)
                 board.add_epoch(row)
                 bar.epoch_done(history)
@@ -300,6 +311,9 @@ def fit(
         out_of_memory = out_of_memory_error(error, phase, device, batch_size=micro_batch_size or 0,
                                             accumulate=accumulate, precision=precision.name)  # fmt: skip
     finally:
+        if watcher is not None:
+            watcher.close()
+            history.monitor = watcher.samples
         bar.close()
         board.close()
         history.skipped_steps = precision.skipped_steps
@@ -313,6 +327,28 @@ def fit(
         free_memory(device)
         raise out_of_memory
     return history
+
+
+def _start_monitor(monitor: bool | Monitor, device: torch.device) -> Monitor | None:
+    """A started Monitor, or None (off, or nothing measurable here: said once, nothing added)."""
+    if monitor is False or monitor is None:
+        return None
+    watcher = monitor if isinstance(monitor, Monitor) else Monitor(device)
+    if not watcher.available:
+        if distributed.is_main():
+            print(f"monitor: {watcher.reason}; nothing is added to the History.")
+        return None
+    return watcher.start()
+
+
+def _epoch_energy(watcher: Monitor, samples) -> dict:
+    """The epoch's columns from the monitor; J per sample over this process's samples."""
+    row = watcher.lap().as_row()
+    local_samples = int(samples) / distributed.world_size()  # the monitor sees this process's device only
+    if "energy_j" in row and local_samples:
+        row["joules_per_sample"] = row["energy_j"] / local_samples
+        row["co2_grams"] = watcher.co2_grams(row["energy_j"])
+    return row
 
 
 def _log(

@@ -1,0 +1,410 @@
+"""Which GPU for your model: what fits, the largest batch, step time, and the time and cost of a run.
+
+Memory comes from gk.memory (fake tensors: nothing runs), step time from a roofline: the step's
+FLOPs against the GPU's dense peak at a stated MFU, its memory traffic against the GPU's
+bandwidth, and its kernel launches against a stated launch latency, whichever takes longest. On the machine present, `plan` measures the MFU and checks the
+model against a real run at another batch size, so you see how far to trust the prediction.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..bench import compare, flops_per_step, matmul_tflops
+from ..env import resolve_device
+from ..memory.estimate import precision_name, predict, resized
+from ..memory.measure import check_model, sample_batch
+from ..memory.parts import MemoryBreakdown
+from ..memory.plan import repeated
+from ..optim import make_optimizer
+from ..precision import Precision, get_precision
+from ..report import Table, format_bytes
+from ..step import Loss, TrainStep, forward_backward, split_batch, to_device
+from .gpus import GPU, GPUS, get_gpu
+
+# Example on-demand prices in US$ per GPU-hour, for one GPU. Prices change often and differ by
+# region, provider and commitment: these are examples to compare GPUs with, not quotes. Pass
+# prices={...} to plan() with yours.
+PRICES_DATE = "2025-06"
+PRICES_SOURCE = (
+    "public on-demand list prices as of 2025-06: AWS us-east-1 (T4 g4dn.xlarge, L4 g6.xlarge, A10G g5.xlarge, "
+    "L40S g6e.xlarge), Lambda (A100, H100, H200, B200, per GPU), RunPod (RTX 4090, RTX 5090); approximate"
+)
+PRICES: dict[str, float] = {
+    "T4": 0.53, "L4": 0.80, "A10G": 1.01, "L40S": 1.86, "A100 40GB": 1.29, "A100 80GB": 1.79,
+    "H100 SXM": 2.99, "H100 PCIe": 2.49, "H200": 3.79, "B200": 4.99, "RTX 4090": 0.69, "RTX 5090": 0.89,
+}  # fmt: skip
+
+# Used when mfu="typical": a well-tuned training run of a mid-sized model reaches 30–50% of the
+# dense peak (e.g. PaLM reports 46% on TPU v4, Megatron-LM 40–50% on A100s); small models reach
+# far less, which is why the default is to measure your own model on the machine present.
+TYPICAL_MFU = 0.35
+
+# Seconds the host needs to launch one CUDA kernel in eager PyTorch (dispatch plus launch): a few
+# microseconds; 5 µs is a typical figure. Small models are bound by it, not by FLOPs: the GPU waits
+# for the next kernel. CUDA graphs and torch.compile remove most of it.
+LAUNCH_SECONDS = 5e-6
+
+_PEAK_KEY = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+_DTYPE_KEY = {"fp32": "fp32", "tf32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}  # CPU matmuls
+
+
+def step_traffic(memory: MemoryBreakdown) -> int:
+    """Bytes a training step moves to and from device memory, at least: activations written in the
+    forward and read in the backward (2×), parameters read in forward and backward and written by
+    the optimizer (3×), gradients written and read (2×), optimizer state read and written (2×).
+    Kernels re-read intermediate tensors too, so real traffic is higher: a lower bound."""
+    return 2 * memory.activations + 3 * memory.params + 2 * memory.grads + 2 * memory.optimizer_state
+
+
+def roofline_seconds(flops: float, traffic: float, peak_tflops: float, bandwidth_tbs: float, mfu: float,
+                     launches: int = 0) -> float:  # fmt: skip
+    """Step time (s): FLOPs at `mfu` of the peak, bytes at the peak bandwidth, or `launches` kernels
+    at LAUNCH_SECONDS each, whichever is slowest."""
+    return max(flops / (peak_tflops * 1e12 * mfu), traffic / (bandwidth_tbs * 1e12), launches * LAUNCH_SECONDS)
+
+
+def count_kernels(model: nn.Module, batch, loss_fn=None) -> int:
+    """Operators of one forward and backward that compute (views excluded): about one CUDA kernel
+    each in eager mode. Counted on a copy of the model on the meta device (nothing runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    meta_model = copy.deepcopy(model).to("meta")
+    meta_batch = split_batch(batch).map(lambda tensor: tensor.to("meta"))
+    with Counter() as counter:
+        forward_backward(meta_model, meta_batch, Loss(loss_fn, check_targets=False))
+    return counter.count
+
+
+@dataclass
+class PlanRow:
+    """One GPU's answer. Times in seconds, memory in bytes, cost in US$."""
+
+    gpu: str
+    memory_total: int
+    usable: int  # memory less the margin
+    needed: int  # predicted peak at the plan's batch size
+    fits: bool
+    largest_batch: int  # the largest batch whose step fits `usable` (0: not even one example)
+    step_time: float | None  # None: the GPU has no tensor cores for this precision
+    bound: str | None  # "compute", "memory" or "launch": which roof limits the step
+    hours: float | None
+    price: float | None  # US$ per GPU-hour
+    cost: float | None  # US$ for the run
+    pareto: bool = False  # no other GPU is both faster and cheaper
+
+    def as_dict(self) -> dict:
+        return {
+            "gpu": self.gpu, "fits": self.fits, "needs": format_bytes(self.needed), "usable": format_bytes(self.usable),
+            "largest batch": self.largest_batch,
+            "step ms": None if self.step_time is None else self.step_time * 1e3, "bound": self.bound,
+            "hours": self.hours, "$/GPU-h": self.price, "cost $": self.cost, "Pareto": self.pareto,
+        }  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """What `plan` found: one PlanRow per GPU, the quantities behind them, and the check on this machine."""
+
+    rows: list[PlanRow]
+    batch_size: int
+    steps: int
+    precision: str
+    optimizer: str
+    margin: float
+    flops: int  # per step at batch_size
+    traffic: int  # bytes per step at batch_size (a lower bound, see step_traffic)
+    kernels: int  # kernel launches per step (forward and backward; see count_kernels)
+    memory: MemoryBreakdown  # the prediction at batch_size (for CUDA)
+    mfu: float
+    mfu_source: str
+    prices_source: str
+    check: dict = field(default_factory=dict)  # this machine: predicted vs measured step time
+
+    def row(self, gpu: str) -> PlanRow:
+        name = get_gpu(gpu).name
+        return next(row for row in self.rows if row.gpu == name)
+
+    @property
+    def pareto(self) -> list[PlanRow]:
+        """The GPUs on the cost–time frontier, fastest first."""
+        return sorted((row for row in self.rows if row.pareto), key=lambda row: row.hours)
+
+    def table(self) -> Table:
+        title = (
+            f"batch {self.batch_size}, {self.steps:,} steps, {self.precision}, {self.optimizer}: "
+            f"{self.flops / 1e9:.3g} GFLOP, ≥ {format_bytes(self.traffic)} moved and {self.kernels} kernels per step "
+            f"({LAUNCH_SECONDS * 1e6:g} µs each), MFU {self.mfu:.0%} "
+            f"({self.mfu_source}), {self.margin:.0%} memory margin"
+        )
+        return Table([row.as_dict() for row in self.rows], title=title)
+
+    def check_table(self) -> Table:
+        """This machine: the step time the model predicts against the one measured."""
+        return Table([self.check], title="the prediction checked on this machine") if self.check else Table([])
+
+    def __str__(self) -> str:
+        return "\n\n".join(str(table) for table in (self.table(), self.check_table()) if len(table))
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        return "".join(table._repr_html_() for table in (self.table(), self.check_table()) if len(table))
+
+    def plot(self):
+        """Cost of the run against hours to train, one point per GPU that fits; the frontier joined."""
+        import matplotlib.pyplot as plt
+
+        shown = [row for row in self.rows if row.cost is not None]
+        figure, axis = plt.subplots(figsize=(6.5, 4.5))
+        for row in shown:
+            axis.scatter(row.hours, row.cost, color="C3" if row.pareto else "C0", zorder=3)
+            axis.annotate(row.gpu, (row.hours, row.cost), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        frontier = self.pareto
+        if frontier:
+            axis.plot([r.hours for r in frontier], [r.cost for r in frontier], "--", color="C3",
+                      label="Pareto frontier (nothing both faster and cheaper)")  # fmt: skip
+            axis.legend(fontsize=8)
+        axis.set(xlabel="hours to train", ylabel="cost of the run (US$)", xscale="log", yscale="log",
+                 title=f"{self.steps:,} steps at batch {self.batch_size}, MFU {self.mfu:.0%}")  # fmt: skip
+        axis.grid(alpha=0.3, which="both")
+        figure.tight_layout()
+        return figure
+
+
+def _mark_pareto(rows: list[PlanRow]) -> None:
+    priced = [row for row in rows if row.cost is not None]
+    for row in priced:
+        row.pareto = not any(
+            other.hours <= row.hours and other.cost <= row.cost and (other.hours < row.hours or other.cost < row.cost)
+            for other in priced
+        )
+
+
+def _check_prices(prices: dict) -> dict[str, float]:
+    checked = {}
+    for name, price in prices.items():
+        if isinstance(price, bool) or not isinstance(price, (int, float)) or not price > 0 or not math.isfinite(price):
+            raise ValueError(f"the price of {name} must be a positive number of US$ per GPU-hour, got {price!r}.")
+        checked[get_gpu(name).name] = float(price)
+    return checked
+
+
+def _largest_batches(
+    peak: Callable[[int], int], usables: dict[int, int], size: int, activations: int
+) -> dict[int, int]:
+    """The largest batch under each usable budget (bytes), such that peak(b) ≤ usable < peak(b + 1).
+
+    The peak is a line in the batch size once activations dominate: a line through the sample's
+    prediction and one near the largest answer (guessed from the activations per example) gives
+    every answer; it is checked at the smallest and the largest budget, and only where the check
+    fails does each answer get corrected by further predictions.
+    """
+    per_example = max(activations / size, 1.0)
+    far = max(size + 1, size + int((max(usables.values()) - peak(size)) / per_example))
+    slope = max((peak(far) - peak(size)) / (far - size), 1.0)
+
+    def from_line(usable: int) -> int:
+        return max(0, size + math.floor((usable - peak(size)) / slope))
+
+    def corrected(usable: int, answer: int) -> int:
+        for _ in range(16):  # each move is by the error in examples: one or two suffice
+            if answer >= 1 and peak(answer) > usable:
+                answer = max(0, answer - max(1, int((peak(answer) - usable) / slope)))
+            elif peak(answer + 1) <= usable:
+                answer += max(1, int((usable - peak(answer + 1)) / slope))
+            else:
+                return answer
+        return answer
+
+    budgets = sorted(set(usables.values()))
+    answers = {usable: from_line(usable) for usable in budgets}
+    ends = {usable: corrected(usable, answers[usable]) for usable in (budgets[0], budgets[-1])}
+    if any(ends[usable] != answers[usable] for usable in ends):  # the line is off: correct every answer
+        answers = {usable: corrected(usable, answers[usable]) for usable in budgets}
+    answers |= ends
+    return {memory: answers[usable] for memory, usable in usables.items()}
+
+
+def _present_machine(device: torch.device, precision: str) -> tuple[str, float, float]:
+    """(name, peak TFLOP/s, bandwidth TB/s) of the device here: the datasheet for a known GPU,
+    else measured (an n×n matmul; a large copy reads and writes each byte once)."""
+    from .gpus import find_gpu
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        row = find_gpu(name)
+        peak = row.peak_tflops(_PEAK_KEY[precision]) if row is not None else None
+        if peak is not None:
+            return name, peak, row.bandwidth_tbs
+    else:
+        name = f"this CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
+    peak = matmul_tflops(device, _DTYPE_KEY[precision] if device.type != "cuda" else _PEAK_KEY[precision], n=1024,
+                         repeats=3, warmup=1)  # fmt: skip
+    source = torch.empty(2**24, device=device)  # 64 MiB of fp32
+    target = torch.empty_like(source)
+    seconds = compare({"copy": lambda: target.copy_(source)}, device=device, warmup=1, repeats=5)["copy"].median
+    return name, peak, 2 * source.numel() * 4 / seconds / 1e12
+
+
+def plan(
+    model: nn.Module,
+    batch,
+    labels: torch.Tensor | None = None,
+    *,
+    steps: int = 10_000,
+    gpus: Sequence[str | GPU] | None = None,
+    optimizer: str = "adamw",
+    precision: str | Precision = "bf16-mixed",
+    margin: float = 0.1,
+    mfu: float | str = "measured",
+    prices: dict[str, float] | None = None,
+    device: str | torch.device | None = None,
+    loss_fn: str | Callable | None = None,
+    repeats: int = 5,
+) -> Plan:
+    """For each GPU: does a training step of `model` on `batch` fit, the largest batch that fits, the
+    predicted step time, and the time and cost of `steps` optimizer steps.
+
+    batch: an example batch of any form fit accepts (its size is the plan's batch size).
+    margin: the fraction of each GPU's memory kept free (allocator fragmentation, cuDNN workspaces,
+        the CUDA context: the prediction does not include them).
+    mfu: the fraction of a GPU's dense peak the step reaches. "measured" (default): measured for
+        this model on the machine present (`device`, default the best here; on a CPU against the
+        CPU's own measured matmul peak) and assumed for every GPU; "typical": TYPICAL_MFU; or a number.
+    prices: US$ per GPU-hour by GPU name, on top of the example PRICES (see PRICES_SOURCE).
+    With mfu="measured", the model is also checked: the step time predicted at twice the batch
+    (from the MFU measured at the batch) against a measured step at twice the batch (plan.check).
+    Your model is not changed (the measured steps train a copy).
+    """
+    check_model(model)
+    sample = sample_batch(model, batch, labels)
+    precision = precision_name(precision)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}.")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}; 0.1 keeps 10% of memory free.")
+    if mfu not in ("measured", "typical") and (isinstance(mfu, (str, bool)) or not 0 < mfu <= 1):
+        raise ValueError(f"mfu must be 'measured', 'typical' or a fraction in (0, 1], got {mfu!r}.")
+    chosen = [get_gpu(gpu) for gpu in (gpus if gpus is not None else GPUS.values())]
+    if not chosen:
+        raise ValueError("gpus is empty; leave it out to plan for every GPU in gk.hardware.GPUS.")
+    price_table = PRICES | _check_prices(prices or {})
+    size = sample.size
+    target = torch.device("cuda")
+
+    cache: dict[int, MemoryBreakdown] = {}
+
+    def predicted(batch_size: int) -> MemoryBreakdown:
+        if batch_size not in cache:
+            cache[batch_size] = predict(model, sample, batch_size, optimizer=optimizer, precision=precision,
+                                        target=target, loss_fn=loss_fn, set_to_none=True)  # fmt: skip
+        return cache[batch_size]
+
+    memory = predicted(size)
+    flops = flops_per_step(model, resized(sample, size, torch.device("meta")), loss_fn=loss_fn)
+    traffic = step_traffic(memory)
+    kernels = count_kernels(model, sample, loss_fn)
+    usables = {gpu.memory_bytes: int(gpu.memory_bytes * (1 - margin)) for gpu in chosen}
+    largest = _largest_batches(lambda b: predicted(b).total, usables, size, memory.activations)
+
+    check: dict = {}
+    if mfu == "typical":
+        mfu_value, mfu_source = TYPICAL_MFU, "typical value, see TYPICAL_MFU"
+    elif mfu == "measured":
+        double = (flops_per_step(model, resized(sample, 2 * size, torch.device("meta")), loss_fn=loss_fn),
+                  step_traffic(predicted(2 * size)))  # fmt: skip
+        mfu_value, mfu_source, check = _measure(model, sample, size, flops, double, optimizer, precision, device,
+                                                loss_fn, repeats)  # fmt: skip
+    else:
+        mfu_value, mfu_source = float(mfu), "given"
+
+    rows = []
+    for gpu in chosen:
+        usable = usables[gpu.memory_bytes]
+        peak = gpu.peak_tflops(_PEAK_KEY[precision])
+        fits = memory.total <= usable
+        step_time = bound = hours = cost = None
+        if peak is not None:
+            roofs = {"compute": flops / (peak * 1e12 * mfu_value), "memory": traffic / (gpu.bandwidth_tbs * 1e12),
+                     "launch": kernels * LAUNCH_SECONDS}  # fmt: skip
+            bound = max(roofs, key=roofs.get)
+            step_time = roofs[bound]
+        price = price_table.get(gpu.name)
+        if fits and step_time is not None:
+            hours = step_time * steps / 3600
+            cost = hours * price if price is not None else None
+        rows.append(PlanRow(gpu.name, gpu.memory_bytes, usable, memory.total, fits, largest[gpu.memory_bytes],
+                            step_time, bound, hours, price, cost))  # fmt: skip
+    if not any(row.fits for row in rows):
+        raise ValueError(_fits_nowhere(rows, memory, size, precision, optimizer))
+    _mark_pareto(rows)
+    source = PRICES_SOURCE + ("; some given by you" if prices else "")
+    return Plan(rows, size, steps, precision, optimizer, margin, flops, traffic, kernels, memory, mfu_value,
+                mfu_source, source, check)  # fmt: skip
+
+
+def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, precision: str, optimizer: str) -> str:
+    biggest = max(rows, key=lambda row: row.usable)
+    fixes = [f"a smaller batch ({biggest.largest_batch} fits the {biggest.gpu})" if biggest.largest_batch else None,
+             "precision='bf16-mixed'" if precision in ("fp32", "tf32") else None,
+             "optimizer='sgd' (less optimizer state)" if optimizer != "sgd" else None,
+             "activation checkpointing (gk.checkpointing)", "gradient accumulation (fit(accumulate=k))",
+             "sharding over several GPUs (FSDP, lesson 04)"]  # fmt: skip
+    return (
+        f"a step at batch {size} needs {format_bytes(memory.total)}, but the largest GPU in the table, the "
+        f"{biggest.gpu}, has {format_bytes(biggest.usable)} usable: {format_bytes(memory.total - biggest.usable)} "
+        f"short. Fixes from lesson 03: {', '.join(fix for fix in fixes if fix)}."
+    )
+
+
+def _measure(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
+    """MFU of real steps at `size` on the machine present, and the check: the step time at 2·size
+    predicted from that MFU against a measured step at 2·size (timed interleaved).
+
+    On a CPU, peak and steps are measured on one thread (restored afterwards): MFU is a ratio, so
+    it carries over, and one thread is not thrown off by other load the way several OpenMP threads
+    are (they spin waiting for each other: 8× slower steps measured on a loaded 2-core machine).
+    """
+    device = resolve_device(device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
+    name, peak, bandwidth = _present_machine(device, precision)
+    copy_of_model = copy.deepcopy(model).to(device)
+    built = make_optimizer(optimizer, copy_of_model.parameters(), 1e-3, 0.0)
+    step = TrainStep(copy_of_model, built, get_precision(precision, device), Loss(loss_fn))
+    batches = {b: to_device(repeated(sample, b), device) for b in (size, 2 * size)}
+    timings = compare({b: (lambda b=b: step(batches[b])) for b in batches}, device=device, warmup=1, repeats=repeats)
+    measured = {b: timing.median for b, timing in timings.items()}
+    mfu_value = flops / measured[size] / (peak * 1e12)
+    # (FLOPs, bytes) at 2·size; launch latency is part of the MFU measured here, so no third roof.
+    predicted = roofline_seconds(*double, peak, bandwidth, mfu_value)
+    check = {
+        "device": name, "peak TFLOP/s": peak, "bandwidth TB/s": bandwidth, "MFU at batch": size,
+        "predicted batch": 2 * size, "predicted ms": predicted * 1e3, "measured ms": measured[2 * size] * 1e3,
+        "error": predicted / measured[2 * size] - 1,
+    }  # fmt: skip
+    source = f"measured for this model on {name}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
+    return mfu_value, source, check

@@ -1,0 +1,302 @@
+"""gk.hardware: the GPU table, plan (fit, time, cost), the NVML monitor (with a fake NVML), contention."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+import gpukit as gk
+from gpukit.hardware import GPU, GPUS, Monitor, MonitorUnavailable, add_gpu, find_gpu, get_gpu, reset_gpus
+from gpukit.hardware.contention import ContentionResult
+from gpukit.hardware.monitor import Segment, joules_to_co2_grams
+
+
+@pytest.fixture(autouse=True)
+def fresh_table():
+    yield
+    reset_gpus()
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+def test_precision_support_follows_the_compute_capability():
+    """Two independent facts per row agree: bf16 tensor cores came with Ampere (8.0), fp8 with Ada
+    and Hopper (8.9), tf32 with Ampere; and tensor peaks are at least the plain fp32 rate."""
+    for gpu in GPUS.values():
+        assert gpu.supports_bf16 == (gpu.compute_capability >= (8, 0)), gpu.name
+        assert gpu.supports_fp8 == (gpu.compute_capability >= (8, 9)), gpu.name
+        assert (gpu.tf32 is not None) == (gpu.compute_capability >= (8, 0)), gpu.name
+        for peak in (gpu.tf32, gpu.bf16, gpu.fp16, gpu.fp8):
+            assert peak is None or peak >= gpu.fp32, gpu.name
+        if gpu.bf16 is not None:
+            assert gpu.bf16 == gpu.fp16, gpu.name
+            assert gpu.tf32 == pytest.approx(gpu.bf16 / 2, rel=0.02), gpu.name  # tf32 runs at half the bf16 rate
+        if gpu.fp8 is not None:
+            assert gpu.fp8 == pytest.approx(2 * gpu.bf16, rel=0.02), gpu.name  # fp8 runs twice as fast
+
+
+@pytest.mark.parametrize(
+    "device_name, row",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
+        ("NVIDIA A100 80GB PCIe", "A100 80GB"), ("Tesla T4", "T4"), ("NVIDIA L4", "L4"), ("NVIDIA L40", "L40"),
+        ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"), ("NVIDIA A10G", "A10G"), ("NVIDIA H200", "H200"),
+        ("NVIDIA B200", "B200"), ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA GeForce RTX 5090", "RTX 5090"),
+        ("Tesla V100-SXM2-16GB", "V100"), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA GeForce RTX 4090 SUPER", None),
+    ],
+)  # fmt: skip
+def test_driver_names_find_their_row(device_name, row):
+    found = find_gpu(device_name)
+    assert (found.name if found else None) == row
+
+
+def test_unknown_gpu_names_the_closest():
+    with pytest.raises(ValueError, match=r"no GPU called 'H100 SMX'.*Did you mean 'H100 SXM'"):
+        get_gpu("H100 SMX")
+    assert get_gpu("h100 sxm") is GPUS["H100 SXM"] is get_gpu("NVIDIA H100 80GB HBM3")
+
+
+def test_add_gpu_overrides_and_bench_reads_the_same_table():
+    before = gk.bench.peak_tflops("NVIDIA A100 80GB PCIe", "bf16")
+    pcie = GPU("A100 80GB PCIe", 80, 1.935, 19.5, 156.0, 300.0, 300.0, None, (8, 0), 300, ("A100 80GB PCIe",))
+    add_gpu(pcie)
+    assert gk.bench.peak_tflops("NVIDIA A100 80GB PCIe", "bf16") == 300.0 != before
+    assert gk.bench.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == before  # the SXM row is untouched
+    add_gpu(GPU("MyGPU", 12, 0.5, 10.0, None, None, 40.0, None, (7, 5), 100))
+    assert get_gpu("mygpu").peak_tflops("fp16-mixed") == 40.0
+    with pytest.raises(ValueError, match="memory_gb must be positive"):
+        add_gpu(GPU("Broken", 0, 0.5, 10.0, None, None, 40.0, None, (7, 5), 100))
+    reset_gpus()
+    assert "MyGPU" not in GPUS
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def _cnn_batch():
+    torch.manual_seed(0)
+    return gk.models.fast_cnn(4), (torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)))
+
+
+def _gpt_batch():
+    torch.manual_seed(0)
+    model = gk.models.gpt(width=32, depth=1, heads=2, max_seq_len=32)
+    tokens = torch.randint(0, 256, (8, 33))
+    return model, (tokens[:, :-1], tokens[:, 1:])
+
+
+@pytest.mark.parametrize("make", [_cnn_batch, _gpt_batch], ids=["cnn", "gpt"])
+def test_plan_memory_largest_batch_and_frontier(make):
+    model, batch = make()
+    plan = gk.hardware.plan(model, batch, gpus=["T4", "L4", "H100 SXM", "B200"], mfu=0.4, steps=2000,
+                            precision="bf16-mixed", optimizer="adamw", prices={"L4": 2.0})  # fmt: skip
+    independent = gk.memory.estimate(model, batch, device="cuda", precision="bf16-mixed", optimizer="adamw")
+    assert plan.memory.total == independent.total
+    for row in plan.rows:
+        assert row.fits == (independent.total <= row.usable)
+    # The largest batch of the smallest GPU, checked by predictions the plan did not make.
+    t4 = plan.row("T4")
+    at, above = gk.memory.estimate(model, batch, device="cuda", precision="bf16-mixed", optimizer="adamw",
+                                   batch_sizes=[t4.largest_batch, t4.largest_batch + 1])  # fmt: skip
+    assert at.total <= t4.usable < above.total
+    assert plan.row("B200").largest_batch > plan.row("L4").largest_batch > t4.largest_batch
+    # T4 has no bf16 tensor cores: no time, no cost, rather than a made-up one.
+    assert t4.step_time is None and t4.cost is None
+    priced = [row for row in plan.rows if row.cost is not None]
+    for row in priced:
+        dominated = any(o.hours <= row.hours and o.cost <= row.cost and (o.hours, o.cost) != (row.hours, row.cost)
+                        for o in priced)  # fmt: skip
+        assert row.pareto == (not dominated)
+    assert plan.pareto and "Pareto" in str(plan)
+    l4 = plan.row("L4")  # time and cost: steps × step time, hours × the price given
+    assert l4.price == 2.0 and l4.hours == pytest.approx(l4.step_time * 2000 / 3600)
+    assert l4.cost == pytest.approx(l4.hours * 2.0) and "some given by you" in plan.prices_source
+    figure = plan.plot()
+    assert len(figure.axes[0].collections) == len(priced)
+
+
+def test_plan_bad_input():
+    model, batch = _cnn_batch()
+    with pytest.raises(ValueError, match="price of L4 must be a positive"):
+        gk.hardware.plan(model, batch, gpus=["L4"], mfu=0.5, prices={"L4": 0})
+    with pytest.raises(ValueError, match="Did you mean .*'L40S'"):
+        gk.hardware.plan(model, batch, gpus=["L40X"], mfu=0.5)
+    with pytest.raises(ValueError, match="mfu must be"):
+        gk.hardware.plan(model, batch, gpus=["L4"], mfu=1.5)
+    with pytest.raises(ValueError, match="steps must be"):
+        gk.hardware.plan(model, batch, gpus=["L4"], mfu=0.5, steps=0)
+    # Nothing fits when almost all memory is kept free: say by how much, and what would help.
+    with pytest.raises(ValueError, match=r"largest GPU in the table, the H100 SXM.*short.*checkpointing"):
+        gk.hardware.plan(model, batch, gpus=["T4", "H100 SXM"], mfu=0.5, margin=0.9999999, precision="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# The monitor, on a fake NVML
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_nvml(*, energy: bool = True, power_w: float = 100.0, reasons: int = 0x1 | 0x4) -> types.ModuleType:
+    """A GPU drawing `power_w`, whose energy counter (mJ) advances with real time."""
+    started = time.perf_counter()
+
+    def not_supported(*args):
+        raise FakeNVMLError("Not Supported")
+
+    def energy_mj(handle):
+        return int(5_000_000 + (time.perf_counter() - started) * power_w * 1000)
+
+    fake = types.ModuleType("pynvml")
+    fake.__dict__.update(
+        NVMLError=FakeNVMLError, NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=90, memory=30),
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=2**30, total=16 * 2**30),
+        nvmlDeviceGetPowerUsage=lambda handle: int(power_w * 1000),  # mW
+        nvmlDeviceGetTemperature=lambda handle, sensor: 70,
+        nvmlDeviceGetClockInfo=lambda handle, clock: {1: 1500, 2: 5000}[clock],
+        nvmlDeviceGetCurrentClocksEventReasons=lambda handle: reasons,
+        nvmlDeviceGetTotalEnergyConsumption=energy_mj if energy else not_supported,
+    )  # fmt: skip
+    return fake
+
+
+@pytest.mark.parametrize("energy", [True, False], ids=["energy counter", "integrated power"])
+def test_monitor_energy_means_and_reasons(monkeypatch, energy):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(energy=energy, power_w=100.0))
+    with Monitor("cuda", interval=0.02) as monitor:
+        assert monitor.source == ("energy counter" if energy else "integrated power")
+        time.sleep(0.3)
+        segment = monitor.lap()
+    assert segment.energy_source == monitor.source and segment.samples >= 3
+    # 100 W for the lap's duration, measured by a clock the monitor did not read.
+    assert segment.energy_j == pytest.approx(100 * segment.seconds, rel=0.1)
+    assert segment.mean_power_w == pytest.approx(100.0) and segment.mean_utilization == pytest.approx(90.0)
+    assert segment.throttle_reasons == ["software power cap"]  # idle (0x1) is not a throttle
+    row = monitor.samples[0]
+    assert (row["sm_clock_mhz"], row["memory_clock_mhz"], row["temperature_c"]) == (1500, 5000, 70)
+    assert row["reasons"] == ["idle", "software power cap"]
+    assert segment.as_row()["throttle_reasons"] == "software power cap"
+    assert monitor.co2_grams(3.6e6) == pytest.approx(monitor.grid_intensity)  # 1 kWh
+
+
+def test_monitor_samples_at_its_interval(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    with Monitor("cuda", interval=0.05) as monitor:
+        time.sleep(0.5)
+    times = [row["t"] for row in monitor.samples]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    assert 0.045 <= gaps[len(gaps) // 2] < 0.2  # the median gap: the interval plus a little (2 loaded cores)
+
+
+def test_monitor_without_nvml_says_so_and_measures_nothing(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    monitor = Monitor("cuda")
+    assert not monitor.available and "nvidia-ml-py is not installed" in monitor.reason
+    segment = monitor.start().lap()
+    assert segment.as_row() == {} and segment.energy_j is None  # nothing, never zeros
+    with pytest.raises(MonitorUnavailable, match="not installed"):
+        Monitor("cuda", strict=True)
+    cpu = Monitor("cpu", rapl_root=str(tmp_path / "powercap"))
+    assert not cpu.available and "RAPL" in cpu.reason and "missing" in cpu.reason
+    with pytest.raises(ValueError, match="interval must be a positive"):
+        Monitor("cuda", interval=0)
+    with pytest.raises(ValueError, match="grid_intensity"):
+        Monitor("cuda", grid_intensity=-1)
+
+
+def test_rapl_energy_with_wraparound(tmp_path):
+    zone = tmp_path / "intel-rapl:0"
+    zone.mkdir()
+    (zone / "max_energy_range_uj").write_text("1000000000\n")
+    (zone / "energy_uj").write_text("999000000\n")
+    (tmp_path / "intel-rapl:0:0").mkdir()  # a sub-zone (cores): inside the package, not counted again
+    monitor = Monitor("cpu", rapl_root=str(tmp_path)).start()
+    assert monitor.available and monitor.source == "RAPL"
+    (zone / "energy_uj").write_text("2000000\n")  # wrapped: 1,000 J to the top, then 2 J
+    assert monitor.lap().energy_j == pytest.approx(3.0)
+
+
+def test_co2_from_grid_intensity():
+    assert joules_to_co2_grams(7.2e6, 100.0) == pytest.approx(200.0)  # 2 kWh at 100 g/kWh
+
+
+# ---------------------------------------------------------------------------------------------
+# fit(monitor=True)
+
+
+def _tiny_data():
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(64, 3, 8, 8, generator=generator)
+    return torch.utils.data.TensorDataset(images, torch.randint(0, 10, (64,), generator=generator))
+
+
+def test_fit_monitor_without_nvml_says_it_once_and_adds_nothing(monkeypatch, capsys, device):
+    monkeypatch.setattr(gk.hardware.monitor, "RAPL_ROOT", "/nonexistent")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    model = gk.models.linear_classifier(image_shape=(3, 8, 8))
+    history = gk.fit(model, _tiny_data(), epochs=2, batch_size=16, device=device, progress=False, monitor=True)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("monitor:")]
+    assert len(said) == 1 and "not available" in said[0]
+    assert not any("energy_j" in row or "mean_power_w" in row for row in history.epochs) and not history.monitor
+
+
+def test_fit_monitor_adds_energy_per_epoch(monkeypatch, device):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(power_w=50.0))
+
+    class Slow(torch.nn.Module):  # steps of 20 ms, so that every epoch holds several 10 ms samples
+        def __init__(self):
+            super().__init__()
+            self.inner = gk.models.linear_classifier(image_shape=(3, 8, 8))
+
+        def forward(self, images):
+            time.sleep(0.02)
+            return self.inner(images)
+
+    model = Slow()
+    watcher = Monitor("cuda", interval=0.01, grid_intensity=100.0)  # the fake GPU, while training on the CPU
+    history = gk.fit(model, _tiny_data(), epochs=2, batch_size=16, device=device, progress=False, monitor=watcher)
+    for row in history.epochs:
+        assert row["energy_j"] == pytest.approx(50.0 * row["seconds"], rel=0.5, abs=0.5)
+        assert row["joules_per_sample"] == pytest.approx(row["energy_j"] / 64)
+        assert row["co2_grams"] == pytest.approx(row["energy_j"] / 3.6e6 * 100.0)
+        assert row["mean_power_w"] == pytest.approx(50.0) and row["throttle_reasons"] == "software power cap"
+    assert history.monitor and len(history.plot().axes) >= 3  # loss, accuracy, energy, the timeline
+
+
+# ---------------------------------------------------------------------------------------------
+# Contention (the measured demo runs in lesson 07: it starts two processes)
+
+
+def test_contention_result_and_bad_input():
+    result = ContentionResult(alone=[100.0, 90.0], shared=[50.0, 40.0], device="cpu", threads=2, rounds=3)
+    assert result.alone_sum == 190.0 and result.shared_sum == 90.0
+    assert result.slowdown == pytest.approx([0.5, 40 / 90])
+    assert len(result.table()) == 3 and len(result.plot().axes[0].patches) == 6
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        gk.hardware.measure_contention(lambda: None, lambda: None, steps=0)
+
+
+def test_segment_row_keeps_only_what_was_measured():
+    assert Segment(seconds=1.0).as_row() == {}
+    assert Segment(seconds=1.0, energy_j=5.0, samples=3).as_row() == {"energy_j": 5.0, "throttle_reasons": "none"}
+
+
+def test_kernels_counted_grow_with_depth():
+    from gpukit.hardware.planning import count_kernels
+
+    batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    one = count_kernels(torch.nn.Sequential(torch.nn.Linear(8, 3)), batch)
+    three = count_kernels(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                              torch.nn.ReLU(), torch.nn.Linear(8, 3)), batch)  # fmt: skip
+    assert 3 <= one < three  # at least a matmul forward, two backward; more layers, more kernels

@@ -27,5 +27,34 @@ def test_committed_clean_and_runnable_everywhere(path):
     assert notebook["metadata"]["kernelspec"]["name"] == "python3"
     first = "".join(code_cells[0]["source"])
     assert "gk.detect()" in first and "seed_everything" in first, f"{path.name}: the first cell sets up env and seed"
-    sources = "\n".join("".join(cell["source"]) for cell in code_cells)
-    assert "assert " in sources, f"{path.name}: every lesson checks its claims"
+
+
+def sections(notebook: dict) -> list[tuple[str, list[dict]]]:
+    """(heading, cells) of each `## ` section: from a markdown cell starting with `## ` up to the next one.
+    The title and setup cells before the first one belong to no section."""
+    found = []
+    for cell in notebook["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and source.startswith("## "):
+            found.append((source.splitlines()[0], []))
+        elif found:
+            found[-1][1].append(cell)
+    return found
+
+
+def is_check(cell: dict) -> bool:
+    return cell["cell_type"] == "code" and re.search(r"^\s*assert\b", "".join(cell["source"]), re.MULTILINE) is not None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_section_with_code_ends_with_a_check(path):
+    # A lesson checks each result where it is measured: every `## ` section that runs code ends (its last code
+    # cell) with an assert cell. Set-up sections use `###` headings inside the section that checks them.
+    unchecked = [
+        heading
+        for heading, cells in sections(json.loads(path.read_text()))
+        if (code := [cell for cell in cells if cell["cell_type"] == "code"]) and not is_check(code[-1])
+    ]
+    assert not unchecked, (
+        f"{path.name}: end these sections with an assert cell that checks what they measured: {unchecked}"
+    )

@@ -66,6 +66,7 @@ def test_figures_are_masked_and_the_rest_is_kept():
 
 
 def strict_nbval(*notebooks: Path, cwd: Path, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Strict nbval (outputs compared, with gpukit's sanitize file) on `notebooks`, one after the other."""
     command = [
         sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "--nbval-sanitize-with",
         str(nbval.sanitize_path()), f"--nbval-cell-timeout={CELL_TIMEOUT}", "-p", "no:cacheprovider", "-q",
@@ -90,19 +91,26 @@ def test_a_lesson_passes_strict_nbval_twice_in_a_row(tmp_path, monkeypatch):
     client.execute()  # fills in the outputs
     nbformat.write(notebook, recorded)
 
-    # 2. Strict nbval twice in a row against the recording: both green.
-    for run in (1, 2):
-        result = strict_nbval(recorded, cwd=tmp_path)
-        assert result.returncode == 0, f"strict nbval run {run} failed:\n{result.stdout[-6000:]}"
-        assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout, result.stdout[-2000:]
-
-    # 3. And it is strict: a recorded output that differs in words (not in figures) fails the first cell.
+    # 2. Strict nbval twice in a row against the recording, both green; and, to show it is strict, a third copy
+    # of the setup cell alone, whose recorded output differs in words (not in figures): that one fails.
+    runs = [tmp_path / f"run_{run}" / LESSON.name for run in (1, 2)]
+    for copy in runs:
+        copy.parent.mkdir()
+        shutil.copy(recorded, copy)
     tampered = tmp_path / "tampered" / LESSON.name
     tampered.parent.mkdir()
-    shutil.copy(recorded, tampered)
-    notebook = json.loads(tampered.read_text())
-    first_code_cell = next(cell for cell in notebook["cells"] if cell["cell_type"] == "code")
-    first_code_cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "a line no run prints\n"}]
-    tampered.write_text(json.dumps(notebook))
-    result = strict_nbval(tampered, cwd=tampered.parent, options=("--maxfail=1",))
-    assert result.returncode == 1 and "a line no run prints" in result.stdout, result.stdout[-3000:]
+    setup_only = json.loads(recorded.read_text())
+    first_code = next(index for index, cell in enumerate(setup_only["cells"]) if cell["cell_type"] == "code")
+    setup_only["cells"] = setup_only["cells"][: first_code + 1]
+    setup_only["cells"][first_code]["outputs"] = [
+        {"output_type": "stream", "name": "stdout", "text": "a line no run prints\n"}
+    ]
+    tampered.write_text(json.dumps(setup_only))
+
+    result = strict_nbval(*runs, tampered, cwd=tmp_path, options=("-rf",))
+    code_cells = sum(cell["cell_type"] == "code" for cell in json.loads(recorded.read_text())["cells"])
+    summary = re.search(r"(\d+) failed, (\d+) passed", result.stdout)
+    assert summary, result.stdout[-6000:]
+    assert (int(summary[1]), int(summary[2])) == (1, 2 * code_cells), result.stdout[-6000:]  # both runs green
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and "tampered" in failed[0], failed

@@ -3,6 +3,8 @@
     gpukit doctor    print the environment report and its warnings
     gpukit train     train headless (a CNN on images, or a small GPT on text) and print the
                      held-out result and the throughput
+    gpukit nbval-sanitize-path
+                     print the path of the sanitize file for strict nbval (docs/nbval.md)
 
 Bad input (an unsupported precision, missing CIFAR-10 files, a batch size of 0, …) ends with a
 one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
@@ -15,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import data, distributed, models
+from . import data, distributed, models, nbval
 from .doctor import collect
 from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpukit", description="Learn and measure fast neural-network training with PyTorch."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,train}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,train,nbval-sanitize-path}")
 
     doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
     doctor.set_defaults(handler=doctor_main)
@@ -72,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="seeds the weights, the order and the augmentation")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
     train.set_defaults(handler=train_main)
+
+    sanitize = commands.add_parser(
+        "nbval-sanitize-path",
+        help="print the path of gpukit's sanitize file for strict nbval (--nbval-sanitize-with)",
+        description="Print the path of the sanitize file that masks gpukit's run-to-run figures (times, "
+        "throughputs, memory, progress bars) for `pytest --nbval --nbval-sanitize-with PATH`.",
+    )
+    sanitize.set_defaults(handler=lambda args: print(nbval.sanitize_path()))
     return parser
 
 

@@ -2,10 +2,14 @@
 
 - `device`: the CPU, where every test runs (a GPU machine runs them on its CPU too).
 - `@pytest.mark.gpu`: a test of a CUDA path, skipped with a stated reason where there is no CUDA GPU.
+- `one_thread`: torch on one intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`).
+- `shapes_train`: 512 synthetic training images (gk.data.shapes, seed 1), built once per run.
 """
 
 import pytest
 import torch
+
+from gpukit.data import ImageDataset, shapes
 
 
 def pytest_configure(config):
@@ -24,3 +28,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For tests that count bytes or compare exactly, not seconds, on tiny tensors: on a shared 2-core
+    machine with one core busy, two-thread kernels wait on each other (10x slower); one thread avoids it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def shapes_train() -> ImageDataset:
+    return shapes(512, 0, seed=1)[0]

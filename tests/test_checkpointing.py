@@ -9,14 +9,7 @@ import gpukit as gk
 from gpukit import memory
 from gpukit.memory.checkpointing import apply_checkpointing, find_blocks, is_checkpointed, remove_checkpointing
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Bytes and exact equality, not seconds: one thread avoids two-thread kernels waiting on a busy core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # bytes and exact equality, not seconds (conftest.py)
 
 
 def images(batch, seed=0):

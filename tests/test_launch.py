@@ -73,8 +73,10 @@ def raise_on_rank_one():
 def test_failing_rank_stops_the_others_and_raises_its_traceback(capsys):
     started = time.monotonic()
     with pytest.raises(WorkerError) as caught:
-        launch(raise_on_rank_one, 2, backend="gloo", timeout=120)
-    assert time.monotonic() - started < 60  # rank 0 was stopped, not left waiting in the barrier
+        launch(raise_on_rank_one, 2, backend="gloo", timeout=170)
+    # Rank 0 was stopped, not left waiting in the barrier until the timeout: the margin covers two spawned
+    # workers importing torch on a loaded 2-core machine.
+    assert time.monotonic() - started < 120
     error = caught.value
     assert error.rank == 1 and isinstance(error.exception, ValueError)
     assert "rank 1 of 2 failed with ValueError: rank one is broken" in str(error)
@@ -103,7 +105,7 @@ def test_timeout_stops_every_worker():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"timeout=1.0 s; rank\(s\) \[0, 1\] were still running"):
         launch(sleep_forever, 2, backend="gloo", start_method="fork", timeout=1.0)
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 60  # stopped soon after the 1 s timeout, not left sleeping for an hour
 
 
 def all_reduce_ranks():

@@ -18,14 +18,7 @@ cuda = pytest.mark.gpu
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given where there is no CUDA GPU")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tests count bytes, not seconds, on tiny tensors. On a shared 2-core machine with one
-    core busy, two-thread kernels wait on each other (10x slower); one thread avoids it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # bytes, not seconds, on tiny tensors (conftest.py)
 
 
 def images(batch, size=32, seed=0):
@@ -351,8 +344,8 @@ class Net(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def small_data():
-    return shapes(256, 0, seed=1)[0]
+def small_data(shapes_train):
+    return shapes_train
 
 
 def test_out_of_memory_in_backward_is_explained_and_freed(small_data):

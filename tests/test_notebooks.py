@@ -1,7 +1,9 @@
 """The committed notebooks follow the lesson rules. (Running them is nbval's job: `make test`.)"""
 
+import ast
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,5 +29,48 @@ def test_committed_clean_and_runnable_everywhere(path):
     assert notebook["metadata"]["kernelspec"]["name"] == "python3"
     first = "".join(code_cells[0]["source"])
     assert "gk.detect()" in first and "seed_everything" in first, f"{path.name}: the first cell sets up env and seed"
-    sources = "\n".join("".join(cell["source"]) for cell in code_cells)
-    assert "assert " in sources, f"{path.name}: every lesson checks its claims"
+
+
+def sections(notebook: dict) -> list[tuple[str, list[dict]]]:
+    """(heading, cells) of each `## ` section: from a markdown cell starting with `## ` up to the next one.
+    The title and setup cells before the first one belong to no section."""
+    found = []
+    for cell in notebook["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and source.startswith("## "):
+            found.append((source.splitlines()[0], []))
+        elif found:
+            found[-1][1].append(cell)
+    return found
+
+
+def asserts(node: ast.AST, branched: bool = False) -> Iterator[bool]:
+    """For each assert statement under `node`: whether it sits inside an `if` (a claim checked only sometimes)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Assert):
+            yield branched
+        yield from asserts(child, branched or isinstance(child, ast.If))
+
+
+def is_check(cell: dict) -> bool:
+    """A code cell that asserts always, or only in a branch (a GPU-only claim) when it also prints what it
+    skipped otherwise ("skipped: … needs a CUDA GPU"): never a claim dropped in silence."""
+    if cell["cell_type"] != "code":
+        return False
+    source = "".join(cell["source"])
+    branched = list(asserts(ast.parse(source)))
+    return (False in branched) or (bool(branched) and "skipped" in source)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_section_with_code_ends_with_a_check(path):
+    # A lesson checks each result where it is measured: every `## ` section that runs code ends (its last code
+    # cell) with an assert cell. Set-up sections use `###` headings inside the section that checks them.
+    unchecked = [
+        heading
+        for heading, cells in sections(json.loads(path.read_text()))
+        if (code := [cell for cell in cells if cell["cell_type"] == "code"]) and not is_check(code[-1])
+    ]
+    assert not unchecked, (
+        f"{path.name}: end these sections with an assert cell that checks what they measured: {unchecked}"
+    )

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parent.parent / "gpukit"
 
 # Lower layers first. A module may import its own layer and the ones before it, never a later one.
 LAYERS = [
-    {"gpukit.env", "gpukit.report", "gpukit.files", "gpukit.precision"},
+    {"gpukit.env", "gpukit.report", "gpukit.files", "gpukit.precision", "gpukit.jupyter"},
     {"gpukit.data", "gpukit.models", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.doctor"},
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets"},
     {"gpukit.distributed"},

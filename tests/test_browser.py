@@ -210,8 +210,12 @@ def test_run_all_cells(page, lab, name):
     images = page.locator(".jp-OutputArea-output img")
     for index in range(images.count()):
         images.nth(index).screenshot(path=ARTIFACTS / f"{stem}_figure{index + 1}.png")
-    height = page.evaluate("document.querySelector('.jp-WindowedPanel-outer, .jp-Notebook').scrollHeight")
-    page.set_viewport_size({"width": 1400, "height": min(max(1000, height + 200), 16000)})
+    # The whole notebook in one picture: a window as tall as the notebook's scrolled content (16000 px at most).
+    scrolled, shown = page.evaluate(
+        "(() => { const outer = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');"
+        " return outer ? [outer.scrollHeight, outer.clientHeight] : [0, 0]; })()"
+    )
+    page.set_viewport_size({"width": 1400, "height": min(1000 + max(0, scrolled - shown), 16000)})
     page.wait_for_timeout(500)
     page.screenshot(path=ARTIFACTS / f"{stem}.png")
     page.set_viewport_size({"width": 1400, "height": 1000})
@@ -224,4 +228,6 @@ def test_run_all_cells(page, lab, name):
         bars = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-hprogress")
         assert bars.count() >= 1, "the training progress bar did not render as a widget"
         assert page.get_by_text("Loading widget...").count() == 0
-        assert "100%" in page.locator(".jp-OutputArea-output .widget-hbox").first.inner_text()
+        assert "100%" in page.locator(".jp-OutputArea-output .widget-hbox").first.inner_text()  # it updated
+        streams = ["".join(out["text"]) for cell in code for out in cell["outputs"] if out["output_type"] == "stream"]
+        assert any("100%|" in text for text in streams), "the saved notebook holds no final text line of the bar"

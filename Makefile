@@ -7,20 +7,26 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The lessons' kernelspec says "Python 3" (ipykernel's default): JupyterLab rewrites a notebook whose
+# kernelspec differs from the kernel it runs, so opening a lesson would mark it modified.
+KERNEL_DISPLAY_NAME := Python 3
+# JupyterLab also writes the kernel's language_info (with the Python version) into every notebook it opens;
+# this server hook keeps the one the file has (gpukit/jupyter.py), so `git status` stays clean.
+LAB_OPTIONS := --FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info
 
 .PHONY: lab test setup unit notebooks lint clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "gpukit needs Python 3.10 or newer; set PYTHON=python3.11 (or another) and run make again.")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e ".[dev,gpu]"
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (gpukit)" >/dev/null
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "$(KERNEL_DISPLAY_NAME)" >/dev/null
 	touch $(STAMP)
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(LAB_OPTIONS) notebooks/
 
 test: setup
 	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider

@@ -125,3 +125,31 @@ def get_precision(precision: str | Precision, device: torch.device | str) -> Pre
         return precision
     _check_supported(precision, device)
     return Precision(precision, device)
+
+
+def has_fast_kernels(
+    precision: str, device: torch.device | str, compute_capability: tuple[int, int] | None = None
+) -> tuple[bool, str]:
+    """Whether `device` is known to train faster (or as fast) in `precision` as in fp32, and why.
+
+    Decided from what the hardware has, not from a timing, so a busy machine cannot change the answer:
+    NVIDIA tensor cores run fp16 from compute capability 7.0 (Volta) and bf16/TF32 from 8.0 (Ampere).
+    PyTorch's CPU and MPS training kernels have no fast 16-bit path that gpukit can rely on (a CPU with
+    AMX may run bf16 fast: measure it). Use it to decide whether a long run in `precision` is worth
+    starting; pass `compute_capability` for CUDA (e.g. from `gk.detect().gpus[0]`) to avoid asking CUDA.
+    """
+    device = torch.device(device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(map(repr, PRECISIONS))}.")
+    if precision == "fp32":
+        return True, "fp32 is the reference"
+    if device.type != "cuda":
+        return False, f"PyTorch has no fast {precision} training kernels for {device.type} that gpukit knows of"
+    capability = compute_capability or torch.cuda.get_device_capability(device)
+    needed = (7, 0) if precision == "fp16-mixed" else (8, 0)
+    if tuple(capability) >= needed:
+        return True, f"tensor cores for {precision} (compute capability {capability[0]}.{capability[1]})"
+    return False, (
+        f"{precision} needs tensor cores of compute capability {needed[0]}.{needed[1]} or newer; "
+        f"this GPU has {capability[0]}.{capability[1]}"
+    )

@@ -98,3 +98,8 @@ class Progress:
             self.live.update(self.history, force=True)  # the final curve stays in the output
         if self.bar is not None:
             self.bar.close()
+            if getattr(self.bar, "container", None) is not None:  # a notebook widget, not a text bar
+                # A saved notebook keeps only the widget's text form from when it was drawn ("0%"): GitHub,
+                # nbval and a reader without the widget state would see a run that never started. This line
+                # says what was done: steps, time, rate, last loss and the epoch's held-out figures.
+                print(self.bar)

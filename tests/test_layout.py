@@ -21,6 +21,7 @@ LAYERS = [
         "gpukit.runfile",
         "gpukit.hardware.gpus",
         "gpukit.nbval",
+        "gpukit.jupyter",
     },
     {"gpukit.data", "gpukit.models", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.doctor"},
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor"},

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# The kernel `make setup` installs; JupyterLab rewrites (and autosaves) a notebook whose kernelspec differs.
+_DISPLAY_NAME = re.search(r"^KERNEL_DISPLAY_NAME := (.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+KERNELSPEC = {"display_name": _DISPLAY_NAME, "language": "python", "name": "python3"}
 
 
 def test_notebooks_exist_in_reading_order():
@@ -26,7 +30,9 @@ def test_committed_clean_and_runnable_everywhere(path):
         assert cell.get("execution_count") is None, f"{path.name}: clear the execution counts before committing"
         source = "".join(cell["source"])
         assert not re.search(r"^\s*[!%]", source, re.MULTILINE), f"{path.name}: no shell or magic commands"
-    assert notebook["metadata"]["kernelspec"]["name"] == "python3"
+    assert notebook["metadata"]["kernelspec"] == KERNELSPEC, (
+        f"{path.name}: a kernelspec other than `make setup` installs"
+    )
     first = "".join(code_cells[0]["source"])
     assert "gk.detect()" in first and "seed_everything" in first, f"{path.name}: the first cell sets up env and seed"
 

@@ -79,3 +79,18 @@ def test_tf32_flags_are_restored():
     with Precision("tf32", torch.device("cpu")).flags():
         assert torch.get_float32_matmul_precision() == "high"
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+
+
+def test_fast_kernels_come_from_the_hardware_not_a_timing():
+    from gpukit.precision import has_fast_kernels
+
+    assert has_fast_kernels("fp32", "cpu")[0]
+    for name in ("bf16-mixed", "fp16-mixed"):
+        fast, reason = has_fast_kernels(name, "cpu")
+        assert not fast and "cpu" in reason
+    assert has_fast_kernels("fp16-mixed", "cuda", (7, 0))[0]
+    assert not has_fast_kernels("bf16-mixed", "cuda", (7, 5))[0]
+    assert has_fast_kernels("bf16-mixed", "cuda", (9, 0))[0]
+    assert "6.1" in has_fast_kernels("fp16-mixed", "cuda", (6, 1))[1]
+    with pytest.raises(ValueError, match="unknown"):
+        has_fast_kernels("fp8", "cpu")

@@ -1,0 +1,233 @@
+"""Lessons 00 and 01 as a learner runs them: JupyterLab in headless Chromium, "Run All Cells" from the menu.
+
+Checks what nbval cannot see: opening and closing a lesson leaves the file byte-identical (the kernelspec the
+Makefile installs matches the notebooks'), every cell ran with no error output, the live training progress
+bar rendered as a widget (not its text fallback) and reached its end, and the figures appeared as images.
+A screenshot of each notebook and an image of each figure go to the folder the test prints.
+
+Needs Chromium on the PATH (Debian: `apt-get install chromium`; `.ci/run` installs it) and Playwright for
+Python (the `dev` extra); skipped with one line otherwise. Playwright's own browser download is not used.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = ["00_environment_and_cpu_vs_gpu.ipynb", "01_train_a_cnn.ipynb"]
+ARTIFACTS = ROOT / "tests" / "artifacts"  # git-ignored
+CELL_TIMEOUT_S = 480  # seconds for "Run All" of one lesson: ~1 min idle, several on a loaded 2-core machine
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (Debian: apt-get install chromium)"),
+    pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (pip install -e '.[dev]')"),
+    pytest.mark.timeout(900),
+]
+
+
+def makefile_variable(name: str) -> str:
+    """A variable of the Makefile (`make lab` and `make setup` use them), so the test runs what they run."""
+    match = re.search(rf"^{name}\s*:?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert match, f"the Makefile defines {name}"
+    return match.group(1).strip()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a free port with a token, serving a temporary copy of the lessons."""
+    base = tmp_path_factory.mktemp("lab")
+    notebooks = base / "notebooks"
+    for folder in ("run", "open"):  # one copy to run, one to open and close: each has its own kernel
+        (notebooks / folder).mkdir(parents=True)
+        for name in LESSONS:
+            shutil.copy2(ROOT / "notebooks" / name, notebooks / folder / name)
+    # The kernel exactly as the Makefile installs it (this Python, the Makefile's display name), in a private
+    # prefix so that kernels installed elsewhere on the machine do not stand in for it.
+    prefix = base / "prefix"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ipykernel",
+            "install",
+            "--prefix",
+            str(prefix),
+            "--name",
+            "python3",
+            "--display-name",
+            makefile_variable("KERNEL_DISPLAY_NAME"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    settings = base / "settings"
+    for plugin, values in {
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},  # every cell in the page
+        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},  # the test saves when it means to
+    }.items():
+        path = settings / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    port, token = free_port(), os.urandom(16).hex()
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        JUPYTER_PATH=str(prefix / "share" / "jupyter"),
+        JUPYTER_CONFIG_DIR=str(base / "config"),
+        JUPYTER_RUNTIME_DIR=str(base / "runtime"),
+        GPUKIT_PROFILE="tiny",
+        MPLBACKEND="",
+    )
+    env.pop("MPLBACKEND")
+    log = (base / "jupyter.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            *makefile_variable("LAB_OPTIONS").split(),
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={notebooks}",
+            f"--LabApp.user_settings_dir={settings}",
+            f"--LabApp.workspaces_dir={base / 'workspaces'}",
+        ]
+        + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),  # CI containers run as root
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # seconds; a loaded 2-core machine needs ~30-60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"JupyterLab did not start; see {base / 'jupyter.log'}") from None
+                time.sleep(0.5)
+        yield {"url": url, "token": token, "notebooks": notebooks}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    ARTIFACTS.mkdir(exist_ok=True)
+    print(f"\nbrowser screenshots: {ARTIFACTS}")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        yield page
+        browser.close()
+
+
+def open_notebook(page, lab, path):
+    page.goto(f"{lab['url']}/lab/tree/{path}?reset&token={lab['token']}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    # The kernel has started and answered: the status bar reads "Python 3 | Idle".
+    page.locator(".jp-StatusBar-Item", has_text=re.compile(r"\| Idle")).first.wait_for(timeout=90_000)
+
+
+def menu(page, top: str, item: str):
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{top}$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(item)}$")).first.click()
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_open_and_close_leaves_the_file_unchanged(page, lab, name):
+    path = lab["notebooks"] / "open" / name
+    before = path.read_bytes()
+    open_notebook(page, lab, f"open/{name}")
+    page.wait_for_timeout(3000)  # the kernel's info (language, spec) reaches the notebook's metadata
+    page.keyboard.press("Control+s")  # what autosave does to a notebook marked modified
+    page.wait_for_timeout(1500)
+    menu(page, "File", "Close Tab")
+    page.wait_for_timeout(500)
+    assert page.locator(".jp-Dialog").count() == 0, f"{name}: closing asks to save changes"
+    changed = difflib.unified_diff(before.decode().splitlines(), path.read_text().splitlines(), lineterm="")
+    assert path.read_bytes() == before, f"{name}: opening and closing changed the file:\n" + "\n".join(changed)
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_run_all_cells(page, lab, name):
+    started = time.perf_counter()
+    open_notebook(page, lab, f"run/{name}")
+    menu(page, "Run", "Run All Cells")
+    prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt")
+    deadline, quiet_polls = time.monotonic() + CELL_TIMEOUT_S, 0
+    while quiet_polls < 3:  # three polls in a row with the kernel idle and nothing queued: Run All is over
+        page.wait_for_timeout(1000)
+        texts = [text.strip() for text in prompts.all_inner_texts()]
+        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        started_running = any(text != "[ ]:" for text in texts)
+        quiet_polls = quiet_polls + 1 if idle and started_running and "[*]:" not in texts else 0
+        if time.monotonic() > deadline:
+            page.screenshot(path=ARTIFACTS / f"{name.removesuffix('.ipynb')}_timeout.png")
+            raise AssertionError(f"{name}: cells still running after {CELL_TIMEOUT_S} s: {texts}")
+    ran_s = time.perf_counter() - started
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1500)
+    notebook = json.loads((lab["notebooks"] / "run" / name).read_text())
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    not_run = [i for i, cell in enumerate(code) if cell["execution_count"] is None]
+    errors = [output for cell in code for output in cell["outputs"] if output["output_type"] == "error"]
+    stem = name.removesuffix(".ipynb")
+    images = page.locator(".jp-OutputArea-output img")
+    for index in range(images.count()):
+        images.nth(index).screenshot(path=ARTIFACTS / f"{stem}_figure{index + 1}.png")
+    # The whole notebook in one picture: a window as tall as the notebook's scrolled content (16000 px at most).
+    scrolled, shown = page.evaluate(
+        "(() => { const outer = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');"
+        " return outer ? [outer.scrollHeight, outer.clientHeight] : [0, 0]; })()"
+    )
+    page.set_viewport_size({"width": 1400, "height": min(1000 + max(0, scrolled - shown), 16000)})
+    page.wait_for_timeout(500)
+    page.screenshot(path=ARTIFACTS / f"{stem}.png")
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    print(f"{name}: ran in {ran_s:.0f} s; {images.count()} images")
+    assert not errors, f"{name}: error output {errors[0]['ename']}: {errors[0]['evalue']}"
+    assert not not_run, f"{name}: code cells {not_run} did not run"
+    saved_images = sum("image/png" in output.get("data", {}) for cell in code for output in cell["outputs"])
+    assert saved_images >= 1 and images.count() >= saved_images
+    if name.startswith("01"):
+        bars = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-hprogress")
+        assert bars.count() >= 1, "the training progress bar did not render as a widget"
+        assert page.get_by_text("Loading widget...").count() == 0
+        assert "100%" in page.locator(".jp-OutputArea-output .widget-hbox").first.inner_text()  # it updated
+        streams = ["".join(out["text"]) for cell in code for out in cell["outputs"] if out["output_type"] == "stream"]
+        assert any("100%|" in text for text in streams), "the saved notebook holds no final text line of the bar"

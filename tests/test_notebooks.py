@@ -23,13 +23,21 @@ def test_notebooks_exist_in_reading_order():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_committed_clean_and_runnable_everywhere(path):
-    notebook = json.loads(path.read_text())
+    text = path.read_text()
+    notebook = json.loads(text)
+    # Written as Jupyter writes it (sorted keys, indent 1), so opening and saving a lesson changes nothing.
+    assert text == json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n", (
+        f"{path.name}: write it with json.dump(notebook, file, indent=1, sort_keys=True, ensure_ascii=False) + newline"
+    )
     code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
     for cell in code_cells:
         assert cell.get("outputs") == [], f"{path.name}: clear the outputs before committing"
         assert cell.get("execution_count") is None, f"{path.name}: clear the execution counts before committing"
         source = "".join(cell["source"])
         assert not re.search(r"^\s*[!%]", source, re.MULTILINE), f"{path.name}: no shell or magic commands"
+    ids = [cell.get("id") for cell in notebook["cells"]]
+    # nbformat 4.5 gives every cell an id; JupyterLab adds any that is missing, marking the lesson modified.
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: every cell needs its own id"
     assert notebook["metadata"]["kernelspec"] == KERNELSPEC, (
         f"{path.name}: a kernelspec other than `make setup` installs"
     )

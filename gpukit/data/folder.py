@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import warnings
 from pathlib import Path
 
@@ -197,7 +196,8 @@ def _read_cache(path: Path, fingerprint: str, size: int, file_count: int) -> dic
         return None
     try:
         state = torch.load(path, weights_only=True)  # tensors, strings and lists only: never runs code
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
+    # A damaged file can make the (weights-only, code-free) unpickler fail in any way: IndexError, KeyError…
+    except Exception as error:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else 'empty'}"
         warnings.warn(f"The image cache {path} cannot be read ({reason}); decoding the images again.", stacklevel=3)
         return None

@@ -23,7 +23,7 @@ from ..memory.measure import check_model, sample_batch
 from ..memory.parts import MemoryBreakdown
 from ..memory.plan import repeated
 from ..optim import make_optimizer
-from ..precision import Precision, get_precision
+from ..precision import Precision, get_precision, has_fast_kernels
 from ..report import Table, format_bytes
 from ..step import Loss, TrainStep, forward_backward, split_batch, to_device
 from .gpus import GPU, GPUS, get_gpu
@@ -391,6 +391,11 @@ def _measure(model, sample, size, flops, double, optimizer, precision, device, l
 
 
 def _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
+    # MFU is a ratio, so it is measured in a precision this device runs natively: a 16-bit precision
+    # without fast kernels here (bf16 on most CPUs is emulated, ~50x slower than fp32) would measure
+    # the emulation, and slowly. The peak is measured in the same precision as the steps.
+    fast, _ = has_fast_kernels(precision, device)
+    precision = precision if fast else "fp32"
     name, peak, bandwidth = _present_machine(device, precision)
     copy_of_model = copy.deepcopy(model).to(device)
     built = make_optimizer(optimizer, copy_of_model.parameters(), 1e-3, 0.0)
@@ -406,5 +411,7 @@ def _measure_here(model, sample, size, flops, double, optimizer, precision, devi
         "predicted batch": 2 * size, "predicted ms": predicted * 1e3, "measured ms": measured[2 * size] * 1e3,
         "error": predicted / measured[2 * size] - 1,
     }  # fmt: skip
-    source = f"measured for this model on {name}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
+    source = (
+        f"measured for this model on {name} in {precision}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
+    )
     return mfu_value, source, check

@@ -12,14 +12,7 @@ import gpukit as gk
 from gpukit.data.bottleneck import check_workers
 from gpukit.train.data import batches
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two OpenMP threads can spin-wait a 1 ms step into 90 ms."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 class SlowImages(Dataset):

@@ -10,14 +10,7 @@ import torch
 import gpukit as gk
 from gpukit.data.pagecache import evict, resident_bytes
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two OpenMP threads spin-wait a step 20× slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 import copy
+import gc
 import weakref
 
 import matplotlib
@@ -348,6 +349,17 @@ def small_data(shapes_train):
     return shapes_train
 
 
+class RunsOutInBackward(CausalLM):
+    def forward(self, input_ids, labels=None):
+        outputs = super().forward(input_ids, labels)
+        return outputs | {"loss": OutOfMemoryInBackward.apply(outputs["loss"])}
+
+
+def _token_batches():
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}] * 3
+
+
 def test_out_of_memory_in_backward_is_explained_and_freed(small_data):
     model = Net(fail_in_backward=True)
     with pytest.raises(torch.OutOfMemoryError) as caught:  # fit's error is a torch.OutOfMemoryError
@@ -385,17 +397,31 @@ def test_out_of_memory_names_the_forward_and_the_optimizer_step(small_data):
 def test_out_of_memory_help_for_dict_batches_of_a_language_model():
     """A re-iterable of dict batches has no loader batch size: the advice uses the batch fit saw."""
 
-    class RunsOutInBackward(CausalLM):
-        def forward(self, input_ids, labels=None):
-            outputs = super().forward(input_ids, labels)
-            return outputs | {"loss": OutOfMemoryInBackward.apply(outputs["loss"])}
-
-    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}] * 3
+    batches = _token_batches()
     with pytest.raises(memory.TrainingOutOfMemoryError, match="in the backward pass") as caught:
         gk.fit(RunsOutInBackward(), batches, progress=False, device="cpu")
     assert "batch_size=4, accumulate=2" in str(caught.value)  # half of the 8 sequences, twice
     assert len(gk.fit(CausalLM(), batches, progress=False, device="cpu").steps) == 1  # the process goes on
+
+
+@pytest.mark.parametrize("kind", ["cnn", "language model"])
+def test_out_of_memory_leaves_nothing_alive_without_the_garbage_collector(kind, small_data):
+    """Lesson 03 reads memory right after catching fit's error: nothing fit held may wait for gc.
+    (A frame whose local holds the error it raises is a cycle that only gc breaks.)"""
+    model, data = (Net(fail_in_backward=True), small_data) if kind == "cnn" else (RunsOutInBackward(), _token_batches())
+    reference = weakref.ref(model)
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            gk.fit(model, data, batch_size=32 if kind == "cnn" else None, progress=False, device="cpu")
+        except torch.OutOfMemoryError as error:
+            assert isinstance(error, memory.TrainingOutOfMemoryError) and error.phase == "backward"
+        del model
+        alive = reference() is not None
+    finally:
+        gc.enable()
+    assert not alive, "the model outlived fit's out-of-memory error until the garbage collector ran"
 
 
 @cuda

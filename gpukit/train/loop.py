@@ -325,7 +325,13 @@ def fit(
         window = None
         model.zero_grad(set_to_none=True)
         free_memory(device)
-        raise out_of_memory
+        # A frame whose local holds the error it raises is a cycle (error -> traceback -> this frame ->
+        # local -> error) that keeps `model` and all above alive until gc runs: drop the local first.
+        error, out_of_memory = out_of_memory, None
+        try:
+            raise error
+        finally:
+            del error
     return history
 
 

@@ -172,7 +172,12 @@ def nothing():
         ((2,), {"port": 70_000}, ValueError, "port must be an integer in 1..65535"),
     ],
 )
-def test_bad_arguments(arguments, options, error, message):
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_bad_arguments(arguments, options, error, message, gpus, monkeypatch):
+    """The same errors on a machine with no GPU and with one, where launch would pick NCCL."""
+    import gpukit.env
+
+    monkeypatch.setattr(gpukit.env, "detect", lambda: gpukit.env.Env("cuda" if gpus else "cpu", gpus))
     with pytest.raises(error, match=message):
         launch(nothing, *arguments, **options)
 
@@ -204,7 +209,11 @@ def test_a_function_that_cannot_be_sent():
         launch(uses_a_lock, 2, backend="gloo")
 
 
-def test_a_port_in_use():
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_a_port_in_use(gpus, monkeypatch):
+    import gpukit.env
+
+    monkeypatch.setattr(gpukit.env, "detect", lambda: gpukit.env.Env("cuda" if gpus else "cpu", gpus))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

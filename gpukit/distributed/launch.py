@@ -100,13 +100,13 @@ def launch(
         raise ValueError(f"start_method={start_method!r} is unknown; use 'spawn' (the safe default) or 'fork'.")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
+    port = _free_port() if port is None else _check_port(port)  # before the backend: its errors depend on GPUs
     backend, nprocs = _check_backend_and_nprocs(backend, nprocs)
     if start_method == "fork":
         _check_fork_is_safe()
         payload, threads = None, 1
     else:
         payload, threads = _serialise(fn, args), max(1, (os.cpu_count() or 1) // nprocs)
-    port = _free_port() if port is None else _check_port(port)
 
     run_dir = tempfile.mkdtemp(prefix="gpukit-launch-")
     config = _Config(run_dir, nprocs, port, backend, threads, payload, (fn, args) if payload is None else None)

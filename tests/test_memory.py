@@ -171,11 +171,14 @@ def test_max_batch_size_finds_the_largest_that_fits_and_keeps_a_global_batch():
     model = gk.models.fast_cnn(8)
     peak_100, peak_101 = (p.total for p in memory.estimate(model, images(1), batch_sizes=[100, 101], device="cuda"))
     budget = (peak_100 + peak_101) // 2  # batch 100 fits, 101 does not
-    plan = memory.max_batch_size(model, images(1), budget=budget, margin=0.0, device="cuda", global_batch_size=256)
+    # probe=False: the search over predictions alone (on a GPU, real probe steps would add cuDNN workspaces)
+    plan = memory.max_batch_size(
+        model, images(1), budget=budget, margin=0.0, device="cuda", global_batch_size=256, probe=False
+    )
     assert plan.batch_size == 100 and plan.predicted_peak == peak_100
     assert (plan.accumulate, plan.micro_batch_size) == (4, 64)  # 256 = 4 × 64, the fewest micro-batches
     assert "accumulate=4" in str(plan)
-    with_margin = memory.max_batch_size(model, images(1), budget=budget, margin=0.2, device="cuda")
+    with_margin = memory.max_batch_size(model, images(1), budget=budget, margin=0.2, device="cuda", probe=False)
     assert with_margin.batch_size < 100 and with_margin.predicted_peak <= with_margin.usable
 
 
@@ -270,7 +273,7 @@ def test_activations_of_a_transformer_grow_linearly_with_the_sequence(device):
 def test_max_batch_size_for_a_transformer_batch():
     tokens = torch.zeros(2, 32, dtype=torch.long)
     budget = memory.estimate(tiny_gpt(), (tokens, tokens), batch_sizes=[40], device="cuda")[0].total
-    plan = memory.max_batch_size(tiny_gpt(), (tokens, tokens), budget=budget, margin=0.0, device="cuda")
+    plan = memory.max_batch_size(tiny_gpt(), (tokens, tokens), budget=budget, margin=0.0, device="cuda", probe=False)
     assert 39 <= plan.batch_size <= 41  # the budget is what batch 40 needs
     assert plan.predicted_peak <= budget
 

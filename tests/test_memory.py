@@ -478,6 +478,32 @@ def test_breakdown_on_cuda_and_the_prediction_within_ten_percent():
 
 
 @cuda
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_on_cuda_the_allocator_counts_the_tensors_plus_at_most_its_slack(kind):
+    """Lesson 03's check: tensors counted in 512-byte blocks never exceed the allocator's count after an
+    operator, and the allocator holds at most its rounding and cuBLAS workspaces more."""
+    if kind == "cnn":
+        parts = memory.breakdown(gk.models.fast_cnn(16), images(64), optimizer="adamw", device="cuda")
+    else:
+        tokens = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+        parts = memory.breakdown(tiny_gpt(), (tokens, tokens), optimizer="adamw", device="cuda")
+    assert len(parts.allocated_timeline) == len(parts.timeline) > 0
+    beyond = [allocated - tensors for allocated, tensors in zip(parts.allocated_timeline, parts.timeline)]
+    assert 0 <= min(beyond) and max(beyond) <= parts.allocator_slack, (min(beyond), max(beyond))
+    assert max(parts.timeline) <= max(parts.allocated_timeline) <= parts.total
+
+
+def test_the_allocator_count_is_read_after_every_operator():
+    reads = []
+    tracker = memory.counting.LiveTensors("cpu", allocated=lambda: len(reads.append(1) or reads))
+    with tracker:
+        x = torch.ones(8, device="cpu")
+        (x * 2 + 1).sum()
+    assert tracker.allocator_samples == [1, 2, 3, 4] and len(tracker.samples) == 4  # ones, mul, add, sum
+    assert tracker.most_storages == 3  # x, x * 2 and x * 2 + 1 alive at once
+
+
+@cuda
 def test_cuda_tools_restore_what_they_change(tmp_path):
     fraction = torch.cuda.get_per_process_memory_fraction()
     with memory.limit_gpu_memory(0.5):

@@ -16,6 +16,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
+CUDA_UNSPLIT = 2**20  # bytes: it hands out a large cached block whole when no more than this would remain
+
 
 def storage_of(tensor) -> torch.UntypedStorage | None:
     if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
@@ -46,12 +49,17 @@ class LiveTensors(TorchDispatchMode):
     A new storage is counted when an operator first returns it (views share their base's
     storage) and uncounted when it is freed (a weak reference's callback). Storages that
     existed before are counted only if passed to `add`. `phase` labels the samples.
+    `allocated`, a function returning the allocator's count in bytes (CUDA), is read at every
+    sample too, into `allocator_samples`, so that the two counts can be compared op by op.
     """
 
-    def __init__(self, device_type: str, rounding: int = 1):
+    def __init__(self, device_type: str, rounding: int = 1, allocated: Callable[[], int] | None = None):
         super().__init__()
         self.device_type = device_type
         self.rounding = rounding
+        self.allocated = allocated
+        self.allocator_samples: list[int] = []  # the allocator's bytes after each operator (with `allocated`)
+        self.most_storages = 0  # the most storages alive at once
         self.live: dict[int, tuple[weakref.ref, int]] = {}  # storage id -> (weak reference, bytes)
         self.bytes = 0
         self.peak = 0
@@ -92,6 +100,9 @@ class LiveTensors(TorchDispatchMode):
 
     def _sample(self) -> None:
         self.samples.append(self.bytes)
+        self.most_storages = max(self.most_storages, len(self.live))
+        if self.allocated is not None:
+            self.allocator_samples.append(self.allocated())
         if self.bytes > self.peak:
             self.peak, self.peak_phase = self.bytes, self.phase
 

@@ -11,11 +11,9 @@ from torch import nn
 from ..env import resolve_device
 from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
-from .counting import LiveTensors
+from .counting import CUDA_BLOCK, LiveTensors
 from .measure import MeasuredStep, build_optimizer, check_model, sample_batch
 from .parts import MemoryBreakdown
-
-CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
 
 
 @contextlib.contextmanager

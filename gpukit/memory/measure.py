@@ -24,7 +24,7 @@ from ..optim import make_optimizer
 from ..precision import Precision, get_precision
 from ..report import format_bytes
 from ..step import Batch, Loss, TrainStep, split_batch, unpack_outputs
-from .counting import LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
+from .counting import CUDA_BLOCK, CUDA_UNSPLIT, LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
 from .parts import MemoryBreakdown
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +257,15 @@ class MeasuredStep:
         )  # fmt: skip
 
 
+def _cublas_workspace_bytes() -> int:
+    """One cuBLAS (and cuBLASLt) workspace, which PyTorch takes from the caching allocator per thread and stream."""
+    sizes = (
+        getattr(torch._C, name, lambda: 0)
+        for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize")
+    )
+    return sum(size() for size in sizes)
+
+
 def breakdown(
     model: nn.Module,
     batch,
@@ -291,7 +300,10 @@ def breakdown(
     built, optimizer_name = build_optimizer(optimizer, copied, foreach=None)
     step = TrainStep(copied, built, precision, Loss(loss_fn), set_to_none=set_to_none)
     measured = MeasuredStep(copied, compact(batch, device), step)
-    tracker = LiveTensors(device.type)
+    if cuda:  # tensors counted in the allocator's 512-byte blocks, beside the allocator's own count
+        tracker = LiveTensors("cuda", CUDA_BLOCK, lambda: torch.cuda.memory_allocated(device) - baseline)
+    else:
+        tracker = LiveTensors(device.type)
     with precision.flags():
         measured.warm_up()
         if cuda:
@@ -305,6 +317,8 @@ def breakdown(
         fields = {
             "total": peak_allocated - baseline, "source": "measured on CUDA: torch.cuda.max_memory_allocated",
             "allocator_cache": torch.cuda.max_memory_reserved(device) - peak_allocated,
+            "allocated_timeline": list(tracker.allocator_samples),
+            "allocator_slack": tracker.most_storages * CUDA_UNSPLIT + 2 * _cublas_workspace_bytes(),
         }  # fmt: skip
     return measured.result(tracker, grads, optimizer_state, saved, device=device.type, precision=precision.name,
                            optimizer=optimizer_name, **fields)  # fmt: skip

@@ -25,6 +25,12 @@ class MemoryBreakdown:
     layers:       saved bytes per module (the innermost module running when it was saved).
     timeline:     bytes of tensor storages alive after each operator; `phases` gives the
                   index where each phase (forward, backward, optimizer step) starts.
+    allocated_timeline: CUDA only: torch.cuda.memory_allocated after each operator (from the
+                  step's start), to compare with `timeline` (there rounded to 512-byte blocks).
+    allocator_slack: CUDA only: the most the allocator can count beyond those tensors after an
+                  operator: up to 1 MiB per live storage (a cached block is handed out whole when
+                  1 MiB or less would remain) plus the cuBLAS workspaces of two threads (the
+                  forward's and autograd's). Inside an operator, cuDNN workspaces come on top.
     """
 
     batch_size: int
@@ -43,6 +49,8 @@ class MemoryBreakdown:
     layers: dict[str, int] = field(default_factory=dict)
     timeline: list[int] = field(default_factory=list, repr=False)
     phases: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    allocated_timeline: list[int] = field(default_factory=list, repr=False)
+    allocator_slack: int | None = None
 
     @property
     def other(self) -> int:

@@ -225,3 +225,13 @@ def seed_everything(seed: int) -> None:
 
 def as_dict(env: Env) -> dict:
     return asdict(env)
+
+
+def profile_for(device: str | torch.device) -> Profile:
+    """The profile for work that runs on `device` here (GPUKIT_PROFILE still decides when set).
+
+    Sizes follow the device that does the work: a lesson that trains in CPU worker processes
+    on a machine with one GPU sizes them as this machine's CPU profile, not the GPU's.
+    """
+    profile, _ = _choose_profile(torch.device(device).type, os.cpu_count() or 1)
+    return profile

@@ -204,3 +204,17 @@ def test_cifar10_download_failure_is_clear_and_fast(tmp_path, monkeypatch):
         gk.data.cifar10(tmp_path / "data", download=True, timeout=5)
     assert time.perf_counter() - started < 60  # it gave up, not hung; the margin holds on a loaded 2-core machine
     assert not any(p.name.endswith(".tar.gz") for p in (tmp_path / "data").iterdir())  # no half-written file
+
+
+@pytest.mark.gpu
+def test_the_data_order_is_the_same_on_a_gpu_as_on_the_cpu(shapes_train):
+    """CUDA's generator gives other numbers than the CPU's for one seed: the loaders draw their order on the
+    CPU, so that a run on a GPU sees the batches a CPU run (or CPU DDP ranks) sees."""
+    bytes_ = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    tokens = gk.data.TokenDataset(bytes_, 16)
+    for make in (lambda device: gk.data.TextLoader(tokens, 8, device=device, seed=3),
+                 lambda device: DeviceLoader(shapes_train, 32, device=device, seed=3)):  # fmt: skip
+        on_cpu, on_gpu = make("cpu"), make("cuda")
+        for _ in range(2):  # two epochs
+            for (inputs, target), (gpu_inputs, gpu_target) in zip(on_cpu, on_gpu, strict=True):
+                assert torch.equal(target, gpu_target.cpu()) and torch.allclose(inputs, gpu_inputs.cpu())

@@ -120,3 +120,18 @@ def test_seed_everything_repeats_random_numbers():
     assert first[2] == second[2]
     gpukit.seed_everything(124)
     assert not torch.equal(first[0], torch.randn(5))
+
+
+def test_sizes_follow_the_device_that_does_the_work(monkeypatch):
+    """A lesson's CPU worker processes on a GPU machine get this CPU's profile, not the GPU's."""
+    import gpukit.env
+
+    monkeypatch.delenv("GPUKIT_PROFILE", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(gpukit.env.os, "cpu_count", lambda: 16)
+    assert gpukit.env.profile_for("cuda").name == "gpu"
+    assert gpukit.env.profile_for("cpu").name == "cpu"
+    monkeypatch.setattr(gpukit.env.os, "cpu_count", lambda: 2)
+    assert gpukit.env.profile_for(torch.device("cpu")).name == "tiny"
+    monkeypatch.setenv("GPUKIT_PROFILE", "gpu")  # a profile set by hand still decides
+    assert gpukit.env.profile_for("cpu").name == "gpu"

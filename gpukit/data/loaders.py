@@ -94,6 +94,9 @@ class DeviceLoader:
         self.labels = dataset.labels.to(self.device)
         self.mean = (dataset.mean * 255).to(self.device, dtype)[None, :, None, None]
         self.std = (dataset.std * 255).to(self.device, dtype)[None, :, None, None]
+        # The order comes from a CPU generator on every device (CUDA's gives other numbers for the same seed, and
+        # a run must see the same batches on a GPU as on the CPU); augmentation draws on the device, per batch.
+        self.order_generator = torch.Generator()
         self.generator = torch.Generator(self.device)
         self.shard_size = len(dataset) // world_size if world_size > 1 else len(dataset)
 
@@ -127,8 +130,8 @@ class DeviceLoader:
 
     def _order(self) -> torch.Tensor:
         if self.shuffle:
-            self.generator.manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(len(self.labels), device=self.device, generator=self.generator)
+            self.order_generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(len(self.labels), generator=self.order_generator).to(self.device)
         else:
             order = torch.arange(len(self.labels), device=self.device)
         # Every rank drew the same permutation; each takes an interleaved, equal-sized shard.
@@ -136,6 +139,7 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self._order()
+        self.generator.manual_seed(self.seed * 1_000_003 + self.epoch)  # the epoch's augmentation, replayable
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             index = order[start : start + self.batch_size]

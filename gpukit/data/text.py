@@ -183,7 +183,9 @@ class TextLoader:
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.tokens = dataset.tokens.to(self.device)  # uint8: 8× less memory than int64
-        self.generator = torch.Generator(self.device)
+        # The order is drawn on the CPU on every device: CUDA's generator gives other numbers for the same
+        # seed, and a run must see the same windows on a GPU as on the CPU (or as its DDP ranks on CPUs).
+        self.generator = torch.Generator()
         self.offsets = torch.arange(self.seq_len + 1, device=self.device)  # (T + 1,): a window and its last target
 
     @property
@@ -204,7 +206,7 @@ class TextLoader:
             raise ValueError(f"rank must lie in 0..world_size-1, got rank={rank}, world_size={world_size}.")
         sharded = copy.copy(self)  # shares the tokens already on the device
         sharded.rank, sharded.world_size = rank, world_size
-        sharded.generator = torch.Generator(self.device)
+        sharded.generator = torch.Generator()
         return sharded
 
     def __len__(self) -> int:
@@ -218,8 +220,8 @@ class TextLoader:
         if self.shuffle:
             self.generator.manual_seed(self.seed * 1_000_003 + self.epoch)
             spare = len(self.tokens) - 1 - count * self.seq_len  # tokens left over after the last window
-            offset = int(torch.randint(0, spare + 1, (), device=self.device, generator=self.generator))
-            order = torch.randperm(count, device=self.device, generator=self.generator)
+            offset = int(torch.randint(0, spare + 1, (), generator=self.generator))
+            order = torch.randperm(count, generator=self.generator).to(self.device)
         else:
             offset, order = 0, torch.arange(count, device=self.device)
         starts = offset + order * self.seq_len

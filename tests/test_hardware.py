@@ -190,6 +190,19 @@ def test_monitor_energy_means_and_reasons(monkeypatch, energy):
     assert monitor.co2_grams(3.6e6) == pytest.approx(monitor.grid_intensity)  # 1 kWh
 
 
+@pytest.mark.parametrize("energy", [True, False], ids=["energy counter", "integrated power"])
+def test_a_segment_shorter_than_the_interval_still_has_a_reading(monkeypatch, energy):
+    """An epoch of 50 ms on an H100 is shorter than the 100 ms interval: the lap samples once itself."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(energy=energy, power_w=80.0))
+    with Monitor("cuda", interval=10.0) as monitor:  # the thread's first sample, then none for 10 s
+        time.sleep(0.05)
+        monitor.lap()  # the first segment holds the thread's sample and this one
+        segments = [monitor.lap() for _ in range(3)]  # each far shorter than the interval
+    for segment in segments:
+        assert segment.samples == 1 and segment.mean_power_w == pytest.approx(80.0), segment
+        assert segment.as_row()["mean_power_w"] == pytest.approx(80.0)
+
+
 def test_monitor_samples_at_its_interval(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
     with Monitor("cuda", interval=0.05) as monitor:

@@ -233,8 +233,16 @@ class Monitor:
         return self._energy_mj() if self.source == "energy counter" else None
 
     def lap(self) -> Segment:
-        """Close the segment since start() or the previous lap: its energy, means and reasons."""
-        now = time.perf_counter() - self._started
+        """Close the segment since start() or the previous lap: its energy, means and reasons.
+
+        It samples once more first, so that a segment shorter than the interval (an epoch of 50 ms
+        on a fast GPU) still has a reading of power, utilisation and clocks.
+        """
+        if self._thread is not None:
+            row = self.sample()
+            with self._lock:
+                self.samples.append(row)
+        now = time.perf_counter() - self._started  # after that sample: it belongs to this segment
         segment = Segment(seconds=now - self._lap_started)
         if self.available:
             energy = self._read_energy()

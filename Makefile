@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 # The lessons' kernelspec says "Python 3" (ipykernel's default): JupyterLab rewrites a notebook whose
 # kernelspec differs from the kernel it runs, so opening a lesson would mark it modified.
 KERNEL_DISPLAY_NAME := Python 3
+# Extra pytest options, e.g. make unit PYTEST_ARGS=--random-order (any order) or PYTEST_ARGS="-k memory".
+PYTEST_ARGS ?=
 # JupyterLab also writes the kernel's language_info (with the Python version) into every notebook it opens;
 # this server hook keeps the one the file has (gpukit/jupyter.py), so `git status` stays clean.
 LAB_OPTIONS := --FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info
@@ -29,10 +31,10 @@ lab: setup
 	$(BIN)/jupyter lab $(LAB_OPTIONS) notebooks/
 
 test: setup
-	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider
+	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider $(PYTEST_ARGS)
 
 unit: setup
-	$(BIN)/python -m pytest tests/
+	$(BIN)/python -m pytest tests/ $(PYTEST_ARGS)
 
 notebooks: setup
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks/

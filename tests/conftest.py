@@ -4,8 +4,14 @@
 - `@pytest.mark.gpu`: a test of a CUDA path, skipped with a stated reason where there is no CUDA GPU.
 - `one_thread`: torch on one intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`).
 - `shapes_train`: 512 synthetic training images (gk.data.shapes, seed 1), built once per run.
+- `fresh_global_state` (autouse): every test starts with Python's, NumPy's and torch's generators seeded
+  with 0, and leaves them, torch's threads, default dtype, grad mode and matmul/cuDNN flags as it found
+  them: tests pass alone, together and in any order.
 """
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +29,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _global_state() -> dict:
+    """What a test may change behind its own back (CUDA's generator is reseeded by torch.manual_seed; reading
+    its state would initialise CUDA here, which forked launches refuse)."""
+    return {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "threads": torch.get_num_threads(), "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+        "matmul": torch.get_float32_matmul_precision(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32),
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+    }  # fmt: skip
+
+
+def _restore(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.get_num_threads() != state["threads"]:
+        torch.set_num_threads(state["threads"])
+    torch.set_default_dtype(state["dtype"])
+    torch.set_grad_enabled(state["grad"])
+    torch.set_float32_matmul_precision(state["matmul"])
+    torch.use_deterministic_algorithms(state["deterministic"])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = state["cudnn"]
+    torch.backends.cuda.matmul.allow_tf32 = state["tf32"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_global_state():
+    state = _global_state()
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
+    _restore(state)
 
 
 @pytest.fixture

@@ -152,6 +152,22 @@ def test_decode_paths_agree_and_the_table_skips_gpu_rows_honestly(dataset):
     assert all(row["images_per_second"] > 0 for row in table.rows if row["device"] == "cpu")
 
 
+def test_photo_jpegs_are_upscaled_grainy_and_reproducible(dataset):
+    from gpukit.data.decoding import photo_jpegs
+
+    images = dataset.images[:3]
+    grainy, again = photo_jpegs(images, 128, seed=1), photo_jpegs(images, 128, seed=1)
+    smooth = photo_jpegs(images, 128, grain=0)
+    assert grainy == again and grainy != photo_jpegs(images, 128, seed=2)
+    assert all(image.shape == (3, 128, 128) for image in gk.data.decode_batch(grainy))
+    assert sum(map(len, grainy)) > 1.2 * sum(map(len, smooth))  # grain is entropy the decoder must work through
+    # Without grain, the pixels are the bilinear upscale, within JPEG's rounding.
+    upscaled = torch.nn.functional.interpolate(images.float(), size=128, mode="bilinear")
+    assert (torch.stack(gk.data.decode_batch(smooth)).float() - upscaled).abs().mean() < 6  # 3 measured, q90
+    with pytest.raises(ValueError, match="uint8 images"):
+        photo_jpegs(images.float(), 128)
+
+
 @pytest.mark.gpu
 def test_gpu_decode_matches_cpu_decode(dataset):
     from gpukit.data.formats import encode

@@ -3,8 +3,14 @@
 `trace_steps(loader, model)` runs steps the way `fit` does (batches through `prefetch`, one TrainStep
 each) under torch.profiler, labels the host's phases ("data wait": inside next(loader); "step": the
 forward, backward and optimizer step as launched), exports the Chrome/Perfetto trace, and returns the
-intervals per row. On a GPU the device rows come from the trace's own CUDA events: "copy" (memcpy
-host→device) and "compute" (every other kernel). Overlap means copy bars under compute bars.
+intervals per row. On a GPU the device rows come from the device activities' own intervals: "copy" (the
+memcpy host→device) and "compute" (kernels). Overlap means copy bars under compute bars.
+
+Not everything the profiler puts on the device is a kernel: Kineto also reports each `record_function` span
+(our "data wait" and "step", "ProfilerStep#N") as a GPU user annotation with device type CUDA, covering every
+kernel launched inside it; memcpy in other directions, memsets and synchronisations are device events too.
+Counted as compute, the annotations alone make any copy look hidden. `device_row` keeps only kernels and
+host→device copies.
 """
 
 from __future__ import annotations
@@ -82,21 +88,46 @@ def trace_steps(loader: Iterable, model: nn.Module, *, steps: int = 6, device: s
     source = iter(prefetch(loader, device))
     with precision.flags():
         step(next(source))  # warm-up outside the trace: first-call costs are not the pipeline's
+        # The first traced batch is fetched before the trace too: its copy would be issued while the GPU idles
+        # through the profiler's start-up. Each traced copy is then issued as in `fit`, right after a step's launch.
+        raw = next(source, None)
         with profile(activities=activities) as profiler:
             done = 0
-            while done < steps:
-                with record_function("data wait"):
-                    raw = next(source, None)
-                if raw is None:
-                    break
+            while raw is not None and done < steps:
                 with record_function("step"):
                     step(to_device(split_batch(raw), device))
                 done += 1
+                with record_function("data wait"):
+                    raw = next(source, None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     if chrome_trace is not None:
         profiler.export_chrome_trace(str(chrome_trace))
     return _intervals(profiler.events(), done, str(device), None if chrome_trace is None else str(chrome_trace))
+
+
+# Device events that are not kernels, by Kineto's names: copies and memsets, CUDA synchronisations.
+_NOT_KERNELS = ("Memcpy", "Memset", "Event Sync", "Stream Sync", "Context Sync", "Stream Wait Event")
+
+
+def device_row(event) -> str | None:
+    """The device row of one profiler event (a FunctionEvent): "copy" for a host→device memcpy, "compute" for a
+    kernel, None for anything else (host events, user annotations, other copies, memsets, synchronisations)."""
+    if event.device_type != DeviceType.CUDA:
+        return None
+    # FunctionEvent.activity_type ("kernel", "gpu_memcpy", "gpu_user_annotation", ...) is in torch 2.14 but not in
+    # every older torch; is_user_annotation is older. Kineto's names are the fallback where either is missing.
+    activity = (getattr(event, "activity_type", None) or "").lower()
+    name = event.name
+    if getattr(event, "is_user_annotation", False) or "user_annotation" in activity:
+        return None
+    if name in HOST_PHASES or name.startswith("ProfilerStep"):  # our own spans, seen on the device
+        return None
+    if name.startswith("Memcpy HtoD"):  # Kineto's names: "Memcpy HtoD (Pinned -> Device)", "(Pageable -> ...)"
+        return "copy"
+    if activity:
+        return "compute" if activity == "kernel" else None
+    return None if name.startswith(_NOT_KERNELS) else "compute"
 
 
 def _intervals(events, steps: int, device: str, path: str | None) -> Trace:
@@ -106,9 +137,10 @@ def _intervals(events, steps: int, device: str, path: str | None) -> Trace:
     origin = min((event.time_range.start for event in events), default=0)
     for event in events:
         start, duration = (event.time_range.start - origin) / 1e3, event.time_range.elapsed_us() / 1e3
-        if event.device_type == DeviceType.CUDA:
-            rows["copy" if "Memcpy HtoD" in event.name or "HtoD" in event.name else "compute"].append((start, duration))
-        elif event.name in HOST_PHASES:
+        row = device_row(event)
+        if row in rows:
+            rows[row].append((start, duration))
+        elif event.device_type == DeviceType.CPU and event.name in HOST_PHASES:
             rows[event.name].append((start, duration))
     return Trace(rows, steps, device, path)
 

@@ -100,9 +100,10 @@ def _fake_pynvml() -> types.ModuleType:
 
 def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
-    monkeypatch.setattr(env, "_cached_gpus", None)  # make detect() ask the fake NVML
+    monkeypatch.setattr(env, "_surveys", {})  # make detect() ask the fake NVML
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.delenv("GPUKIT_PROFILE", raising=False)
+    for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
     report = collect()
 
     assert report.device == "cuda" and report.profile == "gpu"
@@ -238,7 +239,7 @@ def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypat
         NVML_VOLATILE_ECC=0,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(env, "_cached_gpus", None)
+    monkeypatch.setattr(env, "_surveys", {})
     (gpu,) = collect().gpus
     assert (gpu.power_limit, gpu.power_limit_default, gpu.persistence_mode, gpu.ecc_errors) == (400.0, 500.0, False, 2)
     report = Report(gpus=[gpu], pid=os.getpid())

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .env import detect
+from .env import ask_nvml, cuda_build_problem, detect, nvml_cuda_version
 from .report import Table, format_bytes
 
 # Bits of NVML's "clocks event reasons" (formerly "clocks throttle reasons") mask: why the GPU
@@ -104,6 +104,8 @@ class Report:
     profile: str | None = None
     profile_reason: str = ""
     detect_error: str | None = None  # gpukit.detect() raised this (e.g. a bad GPUKIT_PROFILE)
+    cuda_visible_devices: str | None = None  # the environment variable; None: not set (CUDA shows every GPU)
+    visible_gpus: list[str] = field(default_factory=list)  # names of the GPUs CUDA shows (gpukit.detect), in order
     nvml: str = "not installed"  # "ok", or why NVML gave no GPU facts
     driver_version: str | None = None
     driver_cuda_version: str | None = None  # newest CUDA the driver supports, e.g. "12.4"
@@ -128,6 +130,11 @@ class Report:
             ("CPUs", cpus),
             ("torch intra-op threads", self.torch_threads),
             ("device (gpukit.detect)", self.device),
+            (
+                "CUDA_VISIBLE_DEVICES",
+                "not set" if self.cuda_visible_devices is None else repr(self.cuda_visible_devices),
+            ),
+            ("GPUs CUDA shows (gpukit.detect)", ", ".join(self.visible_gpus) or "none"),
             ("profile", profile),
             ("NVML", self.nvml),
             ("NVIDIA driver", self.driver_version),
@@ -239,21 +246,16 @@ def _driver_warning(report: Report) -> str | None:
     runtime, driver = _version_tuple(report.cuda_runtime), _version_tuple(report.driver_cuda_version)
     if runtime is None or driver is None or driver >= runtime:
         return None
-    driver_name = f"The NVIDIA driver {report.driver_version}" if report.driver_version else "The NVIDIA driver"
-    start = (
-        f"{driver_name} supports CUDA up to {report.driver_cuda_version}, "
-        f"but torch {report.torch_version} was built for CUDA {report.cuda_runtime}"
-    )
-    if driver[0] < runtime[0]:
-        consequence = "CUDA will fail to start with this driver."
-    else:
-        consequence = (
-            "it runs through CUDA minor-version compatibility, but features newer than the driver "
-            "(some compiled kernels) may fail."
-        )
+    version = f" {report.driver_version}" if report.driver_version else ""
+    problem = cuda_build_problem(report.torch_version, report.cuda_runtime, driver)
+    if problem:  # a driver of an older CUDA major version: gpukit.detect() falls back to the CPU
+        return f"CUDA will fail to start with the NVIDIA driver{version}, so gpukit uses the CPU: {problem}."
     return (
-        f"{start}: {consequence} Update the NVIDIA driver to one for CUDA {report.cuda_runtime} or newer, or install "
-        f"a torch build for CUDA {report.driver_cuda_version} or older (https://pytorch.org/get-started/locally/)."
+        f"The NVIDIA driver{version} supports CUDA up to {report.driver_cuda_version}, but torch "
+        f"{report.torch_version} was built for CUDA {report.cuda_runtime}: it runs through CUDA minor-version "
+        "compatibility, but features newer than the driver (some compiled kernels) may fail. Update the NVIDIA "
+        f"driver to one for CUDA {report.cuda_runtime} or newer, or install a torch build for CUDA "
+        f"{report.driver_cuda_version} or older (https://pytorch.org/get-started/locally/)."
     )
 
 
@@ -307,10 +309,35 @@ def _cpu_only_build_warning(report: Report) -> str | None:
     if report.cuda_runtime is not None or not (report.gpus or report.nvidia_smi):
         return None
     seen = f"NVML sees {', '.join(gpu.name for gpu in report.gpus)}" if report.gpus else "nvidia-smi is on PATH"
+    problem = cuda_build_problem(report.torch_version, None, _version_tuple(report.driver_cuda_version))
+    return f"This machine has NVIDIA GPUs ({seen}) but everything runs on the CPU: {problem}."
+
+
+def _visible_devices_warning(report: Report) -> str | None:
+    """CUDA_VISIBLE_DEVICES hides GPUs that NVML sees: all of them, or those after an entry that names none."""
+    value = report.cuda_visible_devices
+    usable = not cuda_build_problem(
+        report.torch_version, report.cuda_runtime, _version_tuple(report.driver_cuda_version)
+    )
+    if value is None or not report.gpus or report.device is None or not usable:
+        return None
+    entries = [entry for entry in value.split(",") if entry.strip()]
+    shown = len(report.visible_gpus)
+    if shown == 0:
+        what = (
+            f"hides all {len(report.gpus)} NVIDIA GPU(s) from CUDA (an empty list, a first entry that names no GPU "
+            "here, or a GPU named twice shows none), so gpukit uses the CPU"
+        )
+    elif shown < len(entries):
+        what = (
+            f"lists {len(entries)} entries but CUDA shows only {shown} GPU(s): CUDA stops at the first entry "
+            "that names no GPU here"
+        )
+    else:
+        return None
     return (
-        f"torch {report.torch_version} is a CPU-only build, but this machine has NVIDIA GPUs ({seen}): "
-        "everything will run on the CPU. Install a CUDA build of torch (https://pytorch.org/get-started/locally/)"
-        + (f" for CUDA {report.driver_cuda_version} or older." if report.driver_cuda_version else ".")
+        f"CUDA_VISIBLE_DEVICES={value!r} {what}. Unset it to use every GPU, or list the GPUs you want by index or "
+        "UUID as `nvidia-smi -L` prints them."
     )
 
 
@@ -331,17 +358,12 @@ def warnings(report: Report) -> list[str]:
     found += [_clock_warning(gpu) for gpu in report.gpus]
     found += [_process_warning(gpu, report.pid) for gpu in report.gpus]
     found += [_power_limit_warning(gpu) for gpu in report.gpus] + [_ecc_warning(gpu) for gpu in report.gpus]
-    found += [_cpu_only_build_warning(report), _threads_warning(report)]
+    found += [_cpu_only_build_warning(report), _visible_devices_warning(report), _threads_warning(report)]
     return [warning for warning in found if warning]
 
 
 # ---------------------------------------------------------------------------------------------
 # Collecting facts
-
-
-def _text(value) -> str | None:
-    """NVML strings are bytes in older bindings and str in newer ones."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _usable_cpus() -> int:
@@ -383,17 +405,6 @@ def _nccl_version() -> str | None:
         return None  # torch built without NCCL (CPU-only, macOS, Windows)
 
 
-def _ask(pynvml, name: str, *args):
-    """Call the NVML query `name`; None where this binding, driver or GPU does not have it."""
-    function = getattr(pynvml, name, None)
-    if function is None:
-        return None
-    try:
-        return function(*args)
-    except pynvml.NVMLError:  # NotSupported, NoPermission, FunctionNotFound (older driver), …
-        return None
-
-
 def _nvml_facts() -> dict:
     """Driver and per-GPU facts from NVML, as Report fields. Never raises for a missing driver."""
     try:
@@ -405,25 +416,25 @@ def _nvml_facts() -> dict:
     except pynvml.NVMLError as error:
         return {"nvml": f"no NVIDIA driver found ({error})"}
     try:
-        cuda = _ask(pynvml, "nvmlSystemGetCudaDriverVersion")  # e.g. 12040 for CUDA 12.4
+        cuda = nvml_cuda_version(pynvml)  # e.g. (12, 4)
         gpus = []
-        for index in range(_ask(pynvml, "nvmlDeviceGetCount") or 0):
-            handle = _ask(pynvml, "nvmlDeviceGetHandleByIndex", index)
+        for index in range(ask_nvml(pynvml, "nvmlDeviceGetCount") or 0):
+            handle = ask_nvml(pynvml, "nvmlDeviceGetHandleByIndex", index)
             if handle is not None:  # None: e.g. a GPU the driver lost ("fallen off the bus")
                 gpus.append(_gpu_status(pynvml, index, handle))
         return {
             "nvml": "ok",
-            "driver_version": _text(_ask(pynvml, "nvmlSystemGetDriverVersion")),
-            "driver_cuda_version": None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "driver_version": ask_nvml(pynvml, "nvmlSystemGetDriverVersion"),
+            "driver_cuda_version": None if cuda is None else f"{cuda[0]}.{cuda[1]}",
             "gpus": gpus,
         }
     finally:
-        _ask(pynvml, "nvmlShutdown")
+        ask_nvml(pynvml, "nvmlShutdown")
 
 
 def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
     def ask(name: str, *args):
-        return _ask(pynvml, name, handle, *args)
+        return ask_nvml(pynvml, name, handle, *args)
 
     memory = ask("nvmlDeviceGetMemoryInfo")
     utilization = ask("nvmlDeviceGetUtilizationRates")
@@ -441,11 +452,11 @@ def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
     processes = []
     for process in ask("nvmlDeviceGetComputeRunningProcesses") or []:
         used = getattr(process, "usedGpuMemory", None)  # None where the driver does not say
-        name = _text(_ask(pynvml, "nvmlSystemGetProcessName", process.pid))
+        name = ask_nvml(pynvml, "nvmlSystemGetProcessName", process.pid)
         processes.append(GPUProcess(int(process.pid), None if used is None else int(used), name))
     return GPUStatus(
         index=index,
-        name=_text(ask("nvmlDeviceGetName")) or f"GPU {index}",
+        name=ask("nvmlDeviceGetName") or f"GPU {index}",
         memory_total=None if memory is None else int(memory.total),
         memory_used=None if memory is None else int(memory.used),
         utilization=None if utilization is None else int(utilization.gpu),
@@ -472,8 +483,10 @@ def collect() -> Report:
     try:
         env = detect()
         device, profile, profile_reason, detect_error = env.device, env.profile.name, env.profile_reason, None
+        visible_gpus = [gpu.name for gpu in env.gpus]
     except ValueError as error:  # a bad GPUKIT_PROFILE: report it rather than fail the doctor
         device, profile, profile_reason, detect_error = None, None, "", str(error)
+        visible_gpus = []
     return Report(
         python_version=sys.version.split()[0],
         platform=platform.platform(),
@@ -489,6 +502,8 @@ def collect() -> Report:
         profile=profile,
         profile_reason=profile_reason,
         detect_error=detect_error,
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        visible_gpus=visible_gpus,
         nvidia_smi=shutil.which("nvidia-smi") is not None,
         **_nvml_facts(),
     )

@@ -2,8 +2,11 @@
 
 Detection never initialises CUDA in the calling process: it asks NVML (the driver's
 management library) instead of the CUDA runtime, so a notebook can still fork worker
-processes that use the GPU afterwards. Only when NVML's Python binding is missing does it
-ask a short-lived child process, which initialises CUDA there and not here.
+processes that use the GPU afterwards. NVML knows neither CUDA_VISIBLE_DEVICES nor what
+torch was built for, so detection applies both itself: the GPUs CUDA would show, and whether
+this torch's CUDA version can run on the driver. Where NVML cannot tell which GPUs CUDA shows
+(its Python binding is missing, MIG instances, GPUs of different models), a short-lived child
+process asks CUDA, which initialises CUDA there and not here.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -58,24 +62,26 @@ PROFILES = {
 
 @dataclass
 class GPUInfo:
-    index: int
+    index: int  # CUDA's number for it in this process (after CUDA_VISIBLE_DEVICES): torch.device("cuda", index)
     name: str
-    memory_bytes: int
+    memory_bytes: int  # 0 where NVML could not say
     compute_capability: tuple[int, int] | None
+    uuid: str | None = None  # "GPU-…" as `nvidia-smi -L` prints it; None where unknown (child-process probe)
 
 
 @dataclass
 class Env:
     """What this machine offers, found without initialising CUDA."""
 
-    device: str  # "cuda", "mps" or "cpu": the best device present
-    gpu_count: int
-    gpus: list[GPUInfo] = field(default_factory=list)
+    device: str  # "cuda", "mps" or "cpu": the best device torch can use here
+    gpu_count: int  # CUDA GPUs torch can use: len(gpus), or 0 when cuda_unusable_reason says why not
+    gpus: list[GPUInfo] = field(default_factory=list)  # NVIDIA GPUs CUDA shows this process, usable or not
     bf16: bool = False  # bf16 autocast supported on `device`
     tf32: bool = False  # TF32 tensor-core matmuls available (CUDA, compute capability >= 8.0)
     cpu_count: int = 1
     profile: Profile = PROFILES["tiny"]
     profile_reason: str = ""
+    cuda_unusable_reason: str = ""  # why torch cannot use `gpus` here and what to install; "" when it can
 
     @property
     def has_gpu(self) -> bool:
@@ -83,14 +89,99 @@ class Env:
 
     def __str__(self) -> str:
         gpus = ", ".join(g.name for g in self.gpus) or "none"
+        if self.cuda_unusable_reason:
+            gpus += f"; not usable: {self.cuda_unusable_reason}"
         return (
             f"device={self.device} gpus={self.gpu_count} ({gpus}) bf16={self.bf16} tf32={self.tf32} "
             f"cpus={self.cpu_count} profile={self.profile.name} ({self.profile_reason})"
         )
 
 
-def _gpus_from_nvml() -> list[GPUInfo] | None:
-    """GPUs as NVML sees them, or None if NVML cannot be used here."""
+# ---------------------------------------------------------------------------------------------
+# Can this torch run on this driver?
+
+# Oldest NVIDIA driver of each CUDA major version (CUDA Compatibility guide, "Minor Version Compatibility",
+# table 1: https://docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html).
+_MIN_DRIVER = {11: "450.80.02", 12: "525", 13: "580"}
+# PyTorch wheel indexes for a driver of each CUDA major: the oldest minor published, which runs on every
+# driver of that major (see below). https://pytorch.org/get-started/locally/ lists the current builds.
+_TORCH_INDEX = {12: "cu126", 13: "cu130"}
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    """'13.0' → (13, 0); text that is not a dotted version → None."""
+    try:
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def _install_hint(driver_cuda: tuple[int, int] | None) -> str:
+    """The command that installs a torch for this driver (a newer driver runs older CUDA builds too)."""
+    majors = [major for major in _TORCH_INDEX if driver_cuda is not None and major <= driver_cuda[0]]
+    if not majors:
+        return "https://pytorch.org/get-started/locally/ lists the builds"
+    url = f"https://download.pytorch.org/whl/{_TORCH_INDEX[max(majors)]}"
+    return f"pip install --force-reinstall torch torchvision --index-url {url}"
+
+
+def cuda_build_problem(torch_version: str, built_for: str | None, driver_cuda: tuple[int, int] | None) -> str:
+    """Why torch `torch_version`, built for CUDA `built_for` ("13.0"; None: a CPU-only build), cannot run on
+    a driver that supports CUDA up to `driver_cuda` (e.g. (12, 4)), and what to install; "" when it can
+    or when the driver's version is unknown."""
+    if built_for is None:
+        return f"torch {torch_version} is a CPU-only build: install a CUDA build ({_install_hint(driver_cuda)})"
+    needed = _major_minor(built_for)
+    # CUDA minor-version compatibility (CUDA 11 onwards): a program built with CUDA M.y runs, with a limited
+    # feature set, on any driver that supports CUDA M.0 or newer; a driver of an older major cannot run it.
+    # https://docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html
+    if needed is None or driver_cuda is None or driver_cuda >= (needed[0], 0):
+        return ""
+    minimum = _MIN_DRIVER.get(needed[0])
+    update = f">= {minimum}" if minimum else f"one for CUDA {needed[0]}"
+    return (
+        f"the NVIDIA driver supports CUDA {'.'.join(map(str, driver_cuda))} but torch {torch_version} was built "
+        f"for CUDA {built_for}: install a torch built for CUDA {driver_cuda[0]} ({_install_hint(driver_cuda)}) "
+        f"or update the NVIDIA driver to {update}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Which GPUs CUDA will show this process, found without starting CUDA here
+
+
+def ask_nvml(pynvml, name: str, *args):
+    """Call the NVML query `name`; None where this binding, driver or GPU does not have it. Text as str."""
+    function = getattr(pynvml, name, None)
+    if function is None:
+        return None
+    try:
+        value = function(*args)
+    except pynvml.NVMLError:  # NotSupported, NoPermission, FunctionNotFound (older driver), GpuIsLost, …
+        return None
+    return value.decode() if isinstance(value, bytes) else value  # bytes in older bindings
+
+
+def nvml_cuda_version(pynvml) -> tuple[int, int] | None:
+    """The newest CUDA the driver supports, e.g. 12040 → (12, 4); None where NVML cannot say."""
+    # _v2 asks the CUDA driver library itself (cuDriverGetVersion), so it also sees a forward-compatibility
+    # libcuda; the first version answers a "known supported" number when it finds no libcuda.
+    version = ask_nvml(pynvml, "nvmlSystemGetCudaDriverVersion_v2")
+    if version is None:
+        version = ask_nvml(pynvml, "nvmlSystemGetCudaDriverVersion")
+    return None if version is None else (version // 1000, version % 1000 // 10)
+
+
+@dataclass
+class _NVMLView:
+    gpus: list[GPUInfo]  # every GPU, numbered as NVML and nvidia-smi number them (by PCI bus)
+    driver_cuda: tuple[int, int] | None  # newest CUDA the driver supports
+    mig: bool  # a GPU is split into MIG instances, which CUDA shows instead of the whole GPU
+
+
+def _read_nvml() -> _NVMLView | None:
+    """Every GPU and the driver's CUDA version as NVML sees them; None if NVML's binding is not installed."""
     try:
         import pynvml  # provided by the nvidia-ml-py package (extra "gpu")
     except ImportError:
@@ -98,22 +189,70 @@ def _gpus_from_nvml() -> list[GPUInfo] | None:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return []  # binding present, no driver: no NVIDIA GPU
+        return _NVMLView([], None, False)  # binding present, no driver: no NVIDIA GPU
     try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-            try:
-                capability = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
-            except pynvml.NVMLError:
-                capability = None
-            gpus.append(GPUInfo(index, name, int(memory), capability))
-        return gpus
+        gpus, mig = [], False
+        for index in range(ask_nvml(pynvml, "nvmlDeviceGetCount") or 0):
+            handle = ask_nvml(pynvml, "nvmlDeviceGetHandleByIndex", index)
+            if handle is None:  # e.g. a GPU the driver lost ("fallen off the bus"): CUDA cannot use it either
+                continue
+            memory = ask_nvml(pynvml, "nvmlDeviceGetMemoryInfo", handle)
+            capability = ask_nvml(pynvml, "nvmlDeviceGetCudaComputeCapability", handle)
+            name = ask_nvml(pynvml, "nvmlDeviceGetName", handle) or f"GPU {index}"
+            uuid = ask_nvml(pynvml, "nvmlDeviceGetUUID", handle)
+            capability = tuple(capability) if capability else None
+            gpus.append(GPUInfo(index, name, int(memory.total) if memory else 0, capability, uuid))
+            mig = mig or (ask_nvml(pynvml, "nvmlDeviceGetMigMode", handle) or [0])[0] == 1  # [current, pending]
+        return _NVMLView(gpus, nvml_cuda_version(pynvml), mig)
     finally:
-        pynvml.nvmlShutdown()
+        ask_nvml(pynvml, "nvmlShutdown")
+
+
+def _gpu_by_index(gpus: list[GPUInfo], entry: str) -> GPUInfo | None:
+    digits = re.match(r"[+-]?\d+", entry)  # CUDA reads an index as strtoul does: "1abc" is 1
+    number = int(digits.group()) if digits else -1
+    return next((gpu for gpu in gpus if gpu.index == number), None)
+
+
+def _gpu_by_uuid(gpus: list[GPUInfo], entry: str) -> GPUInfo | None:
+    if not entry.startswith("GPU-"):
+        return None
+    found = [gpu for gpu in gpus if gpu.uuid and gpu.uuid.startswith(entry)]
+    return found[0] if len(found) == 1 else None  # a prefix that two GPUs share names neither
+
+
+def _visible_gpus(gpus: list[GPUInfo], visible_devices: str | None) -> list[GPUInfo] | None:
+    """The GPUs CUDA shows a process with this CUDA_VISIBLE_DEVICES, renumbered from 0 in its order.
+
+    The rules of the CUDA Programming Guide (appendix "CUDA Environment Variables"), with the details that
+    torch.cuda._parse_visible_devices follows too: the entries are all indices or all UUIDs ("GPU-…", or
+    any prefix that names one GPU), whichever the first entry is; the first entry that names no GPU ends
+    the list ("0,2,-1,1" shows 0 and 2; "", "-1" and "NoDevFiles" show none); a GPU named twice makes CUDA
+    show none. None: the entries name MIG instances, which only CUDA itself resolves.
+    """
+    if visible_devices is None:
+        return [replace(gpu, index=number) for number, gpu in enumerate(gpus)]
+    entries = [entry.strip() for entry in visible_devices.split(",")]
+    if entries[0].startswith("MIG-"):
+        return None
+    find = _gpu_by_uuid if entries[0].startswith("GPU-") else _gpu_by_index
+    chosen: list[GPUInfo] = []
+    for entry in entries:
+        gpu = find(gpus, entry)
+        if gpu is None:
+            break
+        if any(gpu.index == other.index for other in chosen):
+            return []
+        chosen.append(gpu)
+    return [replace(gpu, index=number) for number, gpu in enumerate(chosen)]
+
+
+def _nvml_numbers_as_cuda(view: _NVMLView) -> bool:
+    # NVML numbers GPUs by PCI bus. CUDA does so too with CUDA_DEVICE_ORDER=PCI_BUS_ID, but by default it puts
+    # the fastest first (ties by PCI bus): the same order only when all GPUs are alike. MIG instances replace
+    # their GPU in CUDA's list.
+    alike = len({(gpu.name, gpu.compute_capability) for gpu in view.gpus}) <= 1
+    return not view.mig and (alike or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID")
 
 
 _PROBE = (
@@ -128,7 +267,7 @@ _PROBE = (
 
 
 def _gpus_from_child_process() -> list[GPUInfo]:
-    """Ask a child process, so that CUDA is initialised there and not in this process."""
+    """Ask CUDA in a child process (which inherits CUDA_VISIBLE_DEVICES), so that it starts there, not here."""
     if torch.version.cuda is None:
         return []  # a CPU-only build of torch cannot use a GPU anyway
     try:
@@ -140,15 +279,45 @@ def _gpus_from_child_process() -> list[GPUInfo]:
         return []
 
 
-_cached_gpus: list[GPUInfo] | None = None
+@dataclass
+class _Survey:
+    gpus: list[GPUInfo]  # the GPUs CUDA shows this process, numbered as CUDA numbers them
+    problem: str  # why this torch cannot use them (cuda_build_problem); "" when it can or there are none
 
 
-def _cuda_gpus() -> list[GPUInfo]:
-    global _cached_gpus
-    if _cached_gpus is None:
-        gpus = _gpus_from_nvml()
-        _cached_gpus = gpus if gpus is not None else _gpus_from_child_process()
-    return _cached_gpus
+def _survey() -> _Survey:
+    """Ask NVML; where it cannot tell what CUDA will show (no binding, MIG, unlike GPUs), ask a child process."""
+    view = _read_nvml()
+    if view is None:  # the child reports only GPUs that torch can use, so no problem is left to explain
+        return _Survey(_gpus_from_child_process(), "")
+    gpus = _visible_gpus(view.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    problem = cuda_build_problem(torch.__version__, torch.version.cuda, view.driver_cuda)
+    if not problem and (gpus is None or not _nvml_numbers_as_cuda(view)):
+        gpus = _gpus_from_child_process()
+    gpus = gpus or []  # with a problem, NVML's numbering is the best guess there is; MIG entries: none
+    return _Survey(gpus, problem if gpus else "")
+
+
+# What CUDA shows depends on these variables (read when CUDA starts) and on the torch build: each
+# combination is surveyed once per process.
+_surveys: dict[tuple[str | None, ...], _Survey] = {}
+
+
+def _cuda_survey() -> _Survey:
+    key = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"), torch.version.cuda)
+    if key not in _surveys:
+        _surveys[key] = _survey()
+    return _surveys[key]
+
+
+_explained: set[str] = set()  # problems detect() has printed once in this process
+
+
+def _explain_once(gpus: list[GPUInfo], problem: str) -> None:
+    if problem and problem not in _explained:
+        _explained.add(problem)
+        names = ", ".join(gpu.name for gpu in gpus)
+        print(f"gpukit.detect(): using the CPU, not the GPU(s) here ({names}), because {problem}.", file=sys.stderr)
 
 
 def _mps_available() -> bool:
@@ -169,19 +338,22 @@ def _choose_profile(device: str, cpu_count: int) -> tuple[Profile, str]:
     if os.environ.get("CI"):
         return PROFILES["tiny"], "CI is set"
     if cpu_count <= 2:
-        return PROFILES["tiny"], f"no CUDA GPU and only {cpu_count} CPU cores"
-    return PROFILES["cpu"], "no CUDA GPU" + (" (MPS uses laptop sizes)" if device == "mps" else "")
+        return PROFILES["tiny"], f"no usable CUDA GPU and only {cpu_count} CPU cores"
+    return PROFILES["cpu"], "no usable CUDA GPU" + (" (MPS uses laptop sizes)" if device == "mps" else "")
 
 
 def detect() -> Env:
     """Describe this machine and pick the run profile, without initialising CUDA.
 
-    The profile is `gpu` with a CUDA GPU, `tiny` on CI or a machine with at most 2 cores,
-    and `cpu` otherwise; the environment variable GPUKIT_PROFILE overrides the choice.
+    The device is "cuda" when CUDA shows this process a GPU (CUDA_VISIBLE_DEVICES counts) and this torch
+    can run on its driver; otherwise the GPUs stay listed, `cuda_unusable_reason` says why, and one line
+    printed per process says what to install. The profile is `gpu` with a usable CUDA GPU, `tiny` on CI
+    or a machine with at most 2 cores, and `cpu` otherwise; GPUKIT_PROFILE overrides the choice.
     """
-    gpus = _cuda_gpus()
+    survey = _cuda_survey()
+    gpus, problem = survey.gpus, survey.problem
     cpu_count = os.cpu_count() or 1
-    if gpus:
+    if gpus and not problem:
         device = "cuda"
         ampere = all(g.compute_capability is not None and g.compute_capability >= (8, 0) for g in gpus)
         bf16, tf32 = ampere, ampere
@@ -189,8 +361,10 @@ def detect() -> Env:
         device, bf16, tf32 = "mps", True, False
     else:
         device, bf16, tf32 = "cpu", True, False  # CPU autocast supports bfloat16
+    _explain_once(gpus, problem)
     profile, reason = _choose_profile(device, cpu_count)
-    return Env(device, len(gpus), gpus, bf16, tf32, cpu_count, profile, reason)
+    gpu_count = len(gpus) if device == "cuda" else 0
+    return Env(device, gpu_count, gpus, bf16, tf32, cpu_count, profile, reason, cuda_unusable_reason=problem)
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -202,12 +376,22 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"{device!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or 'mps'.") from error
     if device.type == "cuda":
-        count = len(_cuda_gpus())
+        survey = _cuda_survey()
+        if survey.problem:
+            raise ValueError(
+                f"device='{device}' was asked for but torch cannot use the GPU here: {survey.problem}. "
+                "Until then use device='cpu'."
+            )
+        count = len(survey.gpus)
         if count == 0:
-            raise ValueError(f"device='{device}' was asked for but this machine has no CUDA GPU; use device='cpu'.")
+            hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+            why = f" (CUDA_VISIBLE_DEVICES={hidden!r} chooses the GPUs it sees)" if hidden is not None else ""
+            raise ValueError(
+                f"device='{device}' was asked for but this process sees no CUDA GPU{why}; use device='cpu'."
+            )
         if device.index is not None and device.index >= count:
             raise ValueError(
-                f"device='{device}' does not exist: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}."
+                f"device='{device}' does not exist: this process sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}."
             )
     elif device.type == "mps" and not _mps_available():
         raise ValueError("device='mps' was asked for but MPS is not available here; use device='cpu'.")

@@ -100,9 +100,10 @@ def _fake_pynvml() -> types.ModuleType:
 
 def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
-    monkeypatch.setattr(env, "_cached_gpus", None)  # make detect() ask the fake NVML
+    monkeypatch.setattr(env, "_surveys", {})  # make detect() ask the fake NVML
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.delenv("GPUKIT_PROFILE", raising=False)
+    for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
     report = collect()
 
     assert report.device == "cuda" and report.profile == "gpu"
@@ -125,6 +126,40 @@ def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     assert "A100" in text and "4242" in text and "Warnings:" in text
     assert "4242" in report._repr_html_()
     assert not torch.cuda.is_initialized()
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch, forbid_cuda):
+    """The fake NVML's one A100 behind a driver for CUDA 12.2; detect() asks it afresh, no GPU variables set."""
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env, "_explained", set())  # detect() prints each problem once per process
+    monkeypatch.setattr(env, "_mps_available", lambda: False)
+    for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_collect_explains_a_driver_too_old_for_torch(monkeypatch, fake_nvml, capsys):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # needs a CUDA 13 driver; this one is for 12.2
+    report = collect()
+    assert report.device == "cpu" and report.profile != "gpu"
+    assert report.visible_gpus == ["NVIDIA A100-SXM4-80GB"]
+    (warning,) = [warning for warning in warnings(report) if "fail to start" in warning]
+    assert "uses the CPU" in warning and "535.104.05" in warning
+    assert "CUDA 12.2" in warning and "whl/cu126" in warning and ">= 580" in warning
+    assert warning in str(report)
+    assert "whl/cu126" in capsys.readouterr().err  # detect()'s one line
+
+
+def test_collect_explains_cuda_visible_devices_that_hide_every_gpu(monkeypatch, fake_nvml):
+    monkeypatch.setattr(torch.version, "cuda", "12.2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    report = collect()
+    assert (report.device, report.cuda_visible_devices, report.visible_gpus) == ("cpu", "", [])
+    (warning,) = [warning for warning in warnings(report) if warning.startswith("CUDA_VISIBLE_DEVICES")]
+    assert "hides all 1 NVIDIA GPU" in warning and "nvidia-smi -L" in warning
+    (row,) = [row for row in report.facts_table().rows if row["item"] == "CUDA_VISIBLE_DEVICES"]
+    assert row["value"] == "''"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +205,35 @@ def test_old_driver(driver_cuda):
     assert driver_cuda in warning and "12.8" in warning and "driver" in warning
     if driver_cuda.startswith("11"):
         assert "fail to start" in warning
+
+
+def test_driver_of_an_older_cuda_major_says_gpukit_uses_the_cpu_and_what_to_install():
+    report = clean_report(cuda_runtime="13.0", driver_cuda_version="12.4", device="cpu", profile="tiny")
+    (warning,) = warnings(report)
+    assert "fail to start" in warning and "uses the CPU" in warning and "570.86.10" in warning
+    assert "whl/cu126" in warning and ">= 580" in warning
+
+
+@pytest.mark.parametrize(
+    "visible, shown, expected",
+    [
+        ("", [], "hides all 2 NVIDIA GPU(s)"),
+        ("-1", [], "hides all 2 NVIDIA GPU(s)"),
+        ("1,5", ["NVIDIA H100"], "lists 2 entries but CUDA shows only 1 GPU"),
+        ("1", ["NVIDIA H100"], None),
+        ("GPU-0c2f,GPU-9d1e", ["NVIDIA H100", "NVIDIA H100"], None),
+    ],
+)
+def test_cuda_visible_devices_that_hide_gpus(visible, shown, expected):
+    gpus = [GPUStatus(0, "NVIDIA H100"), GPUStatus(1, "NVIDIA H100")]
+    device = "cuda" if shown else "cpu"
+    report = clean_report(gpus=gpus, cuda_visible_devices=visible, visible_gpus=shown, device=device)
+    found = warnings(report)
+    if expected is None:
+        assert found == []
+    else:
+        (warning,) = found
+        assert expected in warning and f"CUDA_VISIBLE_DEVICES={visible!r}" in warning and "Unset it" in warning
 
 
 def test_newer_driver_is_fine():
@@ -238,7 +302,7 @@ def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypat
         NVML_VOLATILE_ECC=0,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(env, "_cached_gpus", None)
+    monkeypatch.setattr(env, "_surveys", {})
     (gpu,) = collect().gpus
     assert (gpu.power_limit, gpu.power_limit_default, gpu.persistence_mode, gpu.ecc_errors) == (400.0, 500.0, False, 2)
     report = Report(gpus=[gpu], pid=os.getpid())

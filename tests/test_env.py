@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 import gpukit
 from gpukit import env
-from gpukit.env import PROFILE_NAMES, PROFILES
+from gpukit.env import PROFILE_NAMES, PROFILES, GPUInfo
 
 HAS_CUDA_GPU = gpukit.detect().device == "cuda"  # asks NVML, not the CUDA runtime
 
@@ -25,7 +27,7 @@ def forbid_cuda_init(monkeypatch):
         raise AssertionError("CUDA was initialised in the calling process")
 
     monkeypatch.setattr(torch.cuda, "_lazy_init", fail)
-    monkeypatch.setattr(env, "_cached_gpus", None)  # make detect() ask NVML (or the child) again
+    monkeypatch.setattr(env, "_surveys", {})  # make detect() ask NVML (or the child) again
 
 
 def test_detect_returns_a_profile():
@@ -61,6 +63,171 @@ def test_detect_does_not_initialise_cuda(forbid_cuda_init):
 def test_doctor_does_not_initialise_cuda(forbid_cuda_init):
     gpukit.doctor()
     assert not torch.cuda.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# A fake NVML: which GPUs CUDA will show, and whether this torch can run on the driver
+
+GiB = 2**30
+UUIDS = (
+    "GPU-aaaa1111-0000-4000-8000-000000000000",
+    "GPU-aaaa2222-0000-4000-8000-000000000000",
+    "GPU-bbbb3333-0000-4000-8000-000000000000",
+)
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(driver_cuda: int, names: tuple[str, ...]) -> types.ModuleType:
+    """NVML with one GPU per name (UUIDs from UUIDS), its driver supporting CUDA `driver_cuda` (12040: 12.4)."""
+    fake = types.ModuleType("pynvml")
+    fake.__dict__.update(
+        NVMLError=FakeNVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlSystemGetCudaDriverVersion_v2=lambda: driver_cuda,
+        nvmlDeviceGetCount=lambda: len(names),
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetName=lambda handle: names[handle].encode(),  # bytes, as older bindings return
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(total=80 * GiB),
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0),
+        nvmlDeviceGetUUID=lambda handle: UUIDS[handle],
+    )
+    return fake
+
+
+@pytest.fixture
+def machine(monkeypatch, forbid_cuda_init):
+    """A function that installs a fake NVML and sets what torch was built for; no MPS, no GPU variables set.
+
+    Asking a child process fails the test unless the test replaces `env._gpus_from_child_process`.
+    """
+
+    def no_child():
+        raise AssertionError("detect() asked a child process although NVML could tell")
+
+    for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(env, "_mps_available", lambda: False)
+    monkeypatch.setattr(env, "_explained", set())  # detect() prints each problem once per process
+    monkeypatch.setattr(env, "_gpus_from_child_process", no_child)
+
+    def install(driver_cuda: int = 13000, built_for: str | None = "13.0", names: tuple[str, ...] = (H100,) * 3):
+        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(driver_cuda, names))
+        monkeypatch.setattr(torch.version, "cuda", built_for)
+
+    return install
+
+
+@pytest.mark.parametrize("driver_cuda, built_for", [(13000, "13.0"), (13020, "13.0"), (13000, "13.2"), (14000, "13.0")])
+def test_a_driver_of_the_same_or_a_newer_cuda_major_gives_the_gpu_profile(machine, capsys, driver_cuda, built_for):
+    machine(driver_cuda, built_for)  # minor-version compatibility: a 13.0 driver runs a 13.2 build
+    found = gpukit.detect()
+    assert (found.device, found.gpu_count, found.profile.name) == ("cuda", 3, "gpu")
+    assert [gpu.uuid for gpu in found.gpus] == list(UUIDS) and found.gpus[0].name == H100
+    assert found.cuda_unusable_reason == "" and capsys.readouterr().err == ""
+    assert gpukit.resolve_device("cuda:2") == torch.device("cuda", 2)
+    with pytest.raises(ValueError, match="sees 3 CUDA GPU"):
+        gpukit.resolve_device("cuda:3")
+
+
+def test_a_driver_too_old_for_torch_gives_the_cpu_and_one_line_on_what_to_install(machine, capsys):
+    machine(driver_cuda=12040, built_for="13.0")
+    found = gpukit.detect()
+    assert (found.device, found.gpu_count) == ("cpu", 0) and found.profile.name != "gpu"
+    assert [gpu.uuid for gpu in found.gpus] == list(UUIDS)  # still listed, so the doctor can explain
+    reason = found.cuda_unusable_reason
+    for part in ("CUDA 12.4", "CUDA 13.0", torch.__version__, "download.pytorch.org/whl/cu126", ">= 580"):
+        assert part in reason
+    (line,) = capsys.readouterr().err.splitlines()
+    assert reason in line and H100 in line
+    assert reason in str(gpukit.detect())
+    assert capsys.readouterr().err == ""  # once per process, however often detect() runs
+    with pytest.raises(ValueError, match="CUDA 12.4") as error:
+        gpukit.resolve_device("cuda")
+    assert "device='cpu'" in str(error.value)
+
+
+def test_a_cpu_only_torch_gives_the_cpu(machine, capsys):
+    machine(built_for=None)
+    found = gpukit.detect()
+    assert (found.device, found.gpu_count, len(found.gpus)) == ("cpu", 0, 3)
+    assert "CPU-only" in found.cuda_unusable_reason and "whl/cu130" in found.cuda_unusable_reason
+    assert "CPU-only" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="CPU-only"):
+        gpukit.resolve_device("cuda:0")
+
+
+def test_gpukit_profile_still_overrides_the_profile_of_an_unusable_gpu(machine, monkeypatch):
+    machine(driver_cuda=12040)
+    monkeypatch.setenv("GPUKIT_PROFILE", "gpu")
+    found = gpukit.detect()
+    assert found.profile is PROFILES["gpu"] and found.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "visible, shown",
+    [
+        ("0,2", [0, 2]),
+        ("2,1", [2, 1]),
+        (" 1, 2", [1, 2]),
+        ("0,2,-1,1", [0, 2]),  # the first invalid entry ends the list
+        ("1,7,0", [1]),
+        ("1abc,0", [1, 0]),  # read as strtoul reads a number
+        ("", []),
+        ("-1", []),
+        ("NoDevFiles", []),
+        ("0,0", []),  # a GPU named twice: none
+        ("GPU-bbbb", [2]),  # a UUID prefix
+        (f"GPU-aaaa2222,{UUIDS[0]}", [1, 0]),
+        ("GPU-aaaa", []),  # a prefix that two GPUs share names neither
+        ("GPU-bbbb,1", [2]),  # the first entry makes them all UUIDs
+        ("1,GPU-bbbb", [1]),
+    ],
+)
+def test_cuda_visible_devices_chooses_and_renumbers_the_gpus(machine, monkeypatch, visible, shown):
+    machine()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    found = gpukit.detect()
+    assert [gpu.uuid for gpu in found.gpus] == [UUIDS[index] for index in shown]
+    assert [gpu.index for gpu in found.gpus] == list(range(len(shown)))  # from 0, as CUDA numbers them
+    assert (found.device, found.gpu_count) == ("cuda" if shown else "cpu", len(shown))
+
+
+def test_detect_follows_a_change_of_cuda_visible_devices(machine, monkeypatch):
+    machine()
+    assert gpukit.detect().gpu_count == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert [gpu.uuid for gpu in gpukit.detect().gpus] == [UUIDS[1]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=''"):
+        gpukit.resolve_device("cuda")
+
+
+def test_what_nvml_cannot_number_is_asked_of_a_child_process(machine, monkeypatch):
+    from_child = [GPUInfo(0, "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10 * GiB, (8, 0))]
+    monkeypatch.setattr(env, "_gpus_from_child_process", lambda: from_child)
+    machine(names=(H100, "NVIDIA A100-SXM4-80GB"))  # unlike GPUs: by default CUDA puts the fastest first
+    assert gpukit.detect().gpus == from_child
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # then CUDA numbers them as NVML does
+    assert [gpu.name for gpu in gpukit.detect().gpus] == [H100, "NVIDIA A100-SXM4-80GB"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0c2f1a3e-5f4b-5b3a-9d7e-1f2e3d4c5b6a")
+    assert gpukit.detect().gpus == from_child
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    sys.modules["pynvml"].nvmlDeviceGetMigMode = lambda handle: [1, 1]  # [current, pending]: MIG is on
+    monkeypatch.setattr(env, "_surveys", {})
+    assert gpukit.detect().gpus == from_child
+
+
+def test_without_nvml_a_child_process_asks_cuda(monkeypatch, forbid_cuda_init):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child inherits it, so its CUDA shows no GPU
+    found = gpukit.detect()
+    assert (found.gpus, found.gpu_count, found.cuda_unusable_reason) == ([], 0, "")
+    assert found.device != "cuda" and not torch.cuda.is_initialized()
 
 
 def _child_work(results) -> None:

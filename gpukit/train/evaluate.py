@@ -39,7 +39,7 @@ def evaluate(
     if isinstance(data, torch.utils.data.Dataset) is False:
         batch_size = None  # a loader or an iterable brings its own batches
     loader = as_loader(data, batch_size, device, shuffle=False, channels_last=channels_last, shard=False)
-    tally, tokens = Tally(device, loss, metrics), None
+    tally = Tally(device, loss, metrics)
     with training_mode(model, False):
         for raw in loader:
             batch = prepare(raw, device, channels_last)
@@ -47,11 +47,6 @@ def evaluate(
                 prediction, model_loss = unpack_outputs(batch.call(model))
                 value = loss(prediction, batch.target, model_loss)
             tally.add(batch, value, prediction, model_loss)
-            if batch.is_sequence:
-                tokens = batch.count_tokens() + (tokens if tokens is not None else 0)
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
-    result = tally.read() | {"samples": tally.samples}
-    if tokens is not None:
-        result["tokens"] = int(tokens)
-    return result
+    return tally.read(tokens=True) | {"samples": tally.samples}

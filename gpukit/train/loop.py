@@ -1,8 +1,15 @@
-"""`fit()`: the hand-written PyTorch loop, with the features a lesson needs as objects that do
-nothing when off, for any model and any batch form (see gpukit.step).
+"""`fit()`: the hand-written PyTorch training loop, for any model and any batch form (gpukit.step).
 
-It never synchronises the host with the device per step: the running loss, accuracy, metrics
-and token counts stay on the device and are read every `log_every` steps.
+It reads as its algorithm, one screen each:
+
+    fit          check every argument and build the run (`_Run`) before any work, then train it;
+    _train       the epochs, and what to do when the device runs out of memory;
+    _train_epoch the batches of one epoch: a micro-step each, an optimizer step every `accumulate`;
+    _end_epoch   sum over ranks, evaluate, record, save.
+
+Features are objects that do nothing when off (precision, DDP's no_sync, the monitor, the progress bar,
+the TensorBoard log, saving). It never synchronises the host with the device per step: the running loss,
+accuracy, metrics and token counts stay on the device and are read every `log_every` steps.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,73 +32,17 @@ from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedu
 from ..precision import Precision, get_precision
 from ..runfile import run_environment
 from ..step import Batch, Loss, TrainStep
+from ..widgets import Progress
 from .checkpoint import Checkpointer
 from .data import as_loader, batches, length, prepare
 from .evaluate import evaluate
 from .history import History
-from .tally import Tally, check_metrics
+from .tally import RunningSums, Tally, check_metrics
 from .tensorboard_log import open_log
 
 
 class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or infinite loss."""
-
-
-# ---------------------------------------------------------------------------------------------
-# fit
-
-
-def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps):
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}.")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be an integer >= 1 (micro-batches per optimizer step), got {accumulate!r}.")
-    if clip is not None and not clip > 0:
-        raise ValueError(f"clip must be a positive gradient-norm bound or None, got {clip!r}.")
-    if lr is not None:
-        check_lr(lr)
-    if not isinstance(log_every, int) or log_every < 1:
-        raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(map(repr, SCHEDULES))}.")
-    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-        raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}.")
-
-
-class _Window:
-    """Sums over the optimizer steps between two log points, kept on the device."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.tokens: torch.Tensor | None = None
-        self.micro_batches = self.samples = self.steps = 0
-        self.started = time.perf_counter()
-
-    def add(self, batch: Batch, loss: torch.Tensor) -> None:
-        self.loss += loss.detach()
-        self.micro_batches += 1
-        self.samples += batch.size
-        tokens = batch.count_tokens()
-        if tokens is not None:
-            self.tokens = tokens if self.tokens is None else self.tokens + tokens
-
-    def row(self, step: int, epoch: int, lr: float) -> dict:
-        """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""
-        tokens = self.tokens if self.tokens is not None else torch.zeros((), device=self.device)
-        loss, tokens = torch.stack(distributed.sum_over_ranks(self.loss.double(), tokens.double())).tolist()
-        ranks = distributed.world_size()
-        elapsed = time.perf_counter() - self.started  # after the synchronisation: the GPU's work is done
-        row = {
-            "step": step, "epoch": epoch, "loss": loss / (ranks * self.micro_batches), "lr": lr,
-            "step_time": elapsed / self.steps, "samples_per_second": self.samples * ranks / elapsed,
-        }  # fmt: skip
-        if self.tokens is not None:
-            row["tokens_per_second"] = tokens / elapsed
-        return row
 
 
 def fit(
@@ -129,38 +81,94 @@ def fit(
         the TextLoader), a DataLoader, a device-resident loader, or any re-iterable of batches
         (len() optional). Batches and model outputs of any form in gpukit.step: (inputs, target),
         dict batches for model(**batch), outputs as tensors, tuples or Hugging Face-style objects.
-    loss_fn: a function of (outputs, target), "cross_entropy" or "mse"; default the model's own
-        `loss` if it returns one, else cross-entropy for integer targets.
-    metrics: {name: fn(outputs, target) -> number}, averaged over samples per epoch, as columns
-        train_<name> and eval_<name>. Accuracy is added where it means something.
+    epochs, max_steps: passes over the data, and an optional cap on optimizer steps (needed for
+        data without len() unless the schedule is constant).
+    batch_size: the micro-batch, for a Dataset (a loader brings its own); `accumulate=k` sums
+        gradients over k micro-batches before each optimizer step, which equals one k-times larger
+        batch for models without BatchNorm. The schedule counts optimizer steps.
     optimizer: a name from gpukit.optim.OPTIMIZERS ("sgd" is Nesterov momentum 0.9; "adamw",
         "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer, or a function of
-        the parameters.
+        the parameters; weight_decay applies to optimizers built by name.
     lr: the schedule's peak (default per name, gpukit.optim.DEFAULT_LRS: 0.05 for SGD, 1e-3 for
         AdamW); an Optimizer or a function you pass keeps its own learning rates unless you also
         pass lr.
-    accumulate=k sums gradients over k micro-batches before each optimizer step, which equals one
-        k-times larger batch for models without BatchNorm. `batch_size` is the micro-batch; the
-        learning-rate schedule counts optimizer steps (max_steps caps them).
-    compile: True (torch.compile with its defaults) or a dict of torch.compile options.
-    With `checkpoint_dir`, the model, optimizer, schedule, loss scaler and history are saved after
-    every epoch (atomically), and a later call with the same directory resumes.
+    schedule, warmup: "onecycle" (default), "cosine", "linear" or "constant"; warmup is a fraction
+        of the steps below 1, a number of steps from 1 on.
+    precision: "fp32", "tf32", "bf16-mixed", "fp16-mixed" (with dynamic loss scaling) or a Precision.
+    clip: a bound on the gradients' global norm, or None.
+    channels_last, compile: the channels_last memory layout for 4-D image batches and weights;
+        torch.compile with its defaults (True) or with a dict of its options.
+    device: where to train (default: this process's device in a distributed job, else the best here).
+    eval_data, loss_fn, label_smoothing, metrics: held-out data evaluated after every epoch; a
+        function of (outputs, target), "cross_entropy" or "mse" (default the model's own `loss` if
+        it returns one, else cross-entropy for integer targets); smoothing for cross-entropy in
+        training only; {name: fn(outputs, target) -> number}, averaged over samples per epoch as
+        columns train_<name> and eval_<name> (accuracy is added where it means something).
+    progress, live_plot, log_every: a progress bar (and live curves) in the notebook; a History
+        row every log_every optimizer steps (one host-device synchronisation each).
+    checkpoint_dir: the model, optimizer, schedule, loss scaler and history are saved there after
+        every epoch (atomically), and a later call with the same folder resumes.
+    log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
+        History's columns); needs the `log` extra (pip install 'gpukit[log]').
+    seed: the order of the data (the model's weights are yours: seed before building it).
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
         10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
-    log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
-        History's columns); needs the `log` extra (pip install 'gpukit[log]').
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
-    loss = Loss(loss_fn, label_smoothing)
-    metrics = check_metrics(metrics)
+    _check_model(model)
+    loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
+    loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
+    steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
+    model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
+    built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
+    parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
+    forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
+    run = _Run(
+        model=model, device=device, precision=precision, loss=loss, metrics=metrics, loader=loader,
+        parallel=parallel, step=TrainStep(forward, built, precision, loss, parameters=model.parameters(),
+                                          accumulate=accumulate, clip=clip),
+        scheduler=make_schedule(built, schedule, total_steps, warmup), peak_lr=peak_lr,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps, log_every=log_every,
+        channels_last=channels_last, eval_data=eval_data, micro_batch_size=getattr(loader, "batch_size", None),
+        eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
+        history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
+    )  # fmt: skip
+    del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
+    run.resume_from(checkpoint_dir)
+    run.start_reporting(log_dir, progress, live_plot, monitor)
+    return _train(run, epochs)
+
+
+def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}.")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an integer >= 1 (micro-batches per optimizer step), got {accumulate!r}.")
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip must be a positive gradient-norm bound or None, got {clip!r}.")
+    if lr is not None:
+        check_lr(lr)
+    if not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(map(repr, SCHEDULES))}.")
+    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}.")
+
+
+def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module to train, got {type(model).__name__}.")
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters to train.")
+
+
+def _training_loader(train_data, batch_size, device, epochs, channels_last, seed):
+    """This rank's loader of the training data, refused before any work if it cannot give `epochs` passes."""
     loader = as_loader(train_data, batch_size, device, shuffle=True, channels_last=channels_last, seed=seed)
     if epochs > 1 and isinstance(loader, Iterator):  # a generator: its second epoch would be empty
         raise ValueError(
@@ -168,171 +176,291 @@ def fit(
             "list, a Dataset, a DataLoader or an object whose __iter__ starts afresh, or train one epoch."
         )
     loader = distributed.shard(loader)  # in a distributed job, this rank's part of the data
-    batches_per_epoch = length(loader)
-    if batches_per_epoch == 0:
+    if length(loader) == 0:
         dataset = getattr(loader, "dataset", None)
         size = f"{len(dataset)} examples" if hasattr(dataset, "__len__") else "the data"
         raise ValueError(
             f"the training data gives no batch: {size} with batch size {getattr(loader, 'batch_size', '?')} and "
             "drop_last; use a smaller batch_size or more data."
         )
-    steps_per_epoch = max(batches_per_epoch // accumulate, 1) if batches_per_epoch is not None else None
-    if steps_per_epoch is None:
-        total_steps = max_steps
-        if total_steps is None and (schedule != "constant" or 0 < warmup < 1):
-            raise ValueError(
-                f"the training data has no len(), so fit cannot tell how many steps the {schedule!r} schedule spans: "
-                "pass max_steps=N (the schedule then spans N optimizer steps), give the data a __len__ (epochs × its "
-                "length sets the schedule), or use schedule='constant' with warmup in steps (warmup=0 or e.g. 100)."
-            )
-    else:
-        total_steps = steps_per_epoch * epochs if max_steps is None else min(max_steps, steps_per_epoch * epochs)
+    return loader
 
-    model.to(device)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
+
+def _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup) -> tuple[int | None, int | None]:
+    """(optimizer steps per epoch, steps the schedule spans); None where the data has no len()."""
+    batches_per_epoch = length(loader)
+    if batches_per_epoch is not None:
+        steps_per_epoch = max(batches_per_epoch // accumulate, 1)
+        return steps_per_epoch, steps_per_epoch * epochs if max_steps is None else min(
+            max_steps, steps_per_epoch * epochs
+        )
+    if max_steps is None and (schedule != "constant" or 0 < warmup < 1):
+        raise ValueError(
+            f"the training data has no len(), so fit cannot tell how many steps the {schedule!r} schedule spans: "
+            "pass max_steps=N (the schedule then spans N optimizer steps), give the data a __len__ (epochs × its "
+            "length sets the schedule), or use schedule='constant' with warmup in steps (warmup=0 or e.g. 100)."
+        )
+    return None, max_steps
+
+
+def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.optim.Optimizer, float]:
+    """The optimizer and the schedule's peak lr: lr, else the optimizer's own (one you built), else the name's."""
     peak_lr = lr if lr is not None else default_lr(optimizer)
     built = make_optimizer(optimizer, model, peak_lr, weight_decay)
     if lr is not None or isinstance(optimizer, str):
         for group in built.param_groups:
-            group["lr"] = peak_lr  # the schedule's peak
-    peak_lr = built.param_groups[0]["lr"]
-    scheduler = make_schedule(built, schedule, total_steps, warmup)
-    parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
-    forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
-    step = TrainStep(forward, built, precision, loss,
-                     parameters=model.parameters(), accumulate=accumulate, clip=clip)  # fmt: skip
-    history = History(precision=precision.name, device=str(device), environment=run_environment(device))
-    plan = {
-        "total_steps": total_steps, "steps_per_epoch": steps_per_epoch,
-        "batch_size": getattr(loader, "batch_size", None), "accumulate": accumulate,
-    }  # fmt: skip
-    checkpoint = Checkpointer(checkpoint_dir, plan) if checkpoint_dir is not None else None
-    start_epoch, step_index = checkpoint.resume(model, built, scheduler, precision, history) if checkpoint else (0, 0)
-    distributed.check_same(start_epoch, "the epoch to resume from")
+            group["lr"] = peak_lr
+    return built, built.param_groups[0]["lr"]
 
-    board = open_log(log_dir if distributed.is_main() else None)  # one writer per job; fails before training
 
-    from ..widgets import Progress
+@dataclass(eq=False)
+class _Run:
+    """What fit built before the first step, and what it updates as it trains."""
 
-    enabled = progress and distributed.is_main()  # one bar per job, not one per rank
-    bar = Progress(total=total_steps, initial=step_index, enabled=enabled, live_plot=live_plot)
-    if device.type == "cuda":
-        watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
-    phase, out_of_memory = "loading data", None  # the phase an out-of-memory error is reported in
-    micro_batch_size, first_batch = plan["batch_size"], True
-    watcher = _start_monitor(monitor, device)
-    eval_loss = Loss(loss_fn) if label_smoothing else loss  # held-out loss without smoothing
-    started = time.perf_counter()
-    model.train()
+    model: nn.Module
+    device: torch.device
+    precision: Precision
+    loss: Loss
+    metrics: dict
+    loader: object
+    parallel: nn.Module  # what the step calls: the model, or its DDP wrapper
+    step: TrainStep
+    scheduler: object
+    peak_lr: float
+    steps_per_epoch: int | None
+    total_steps: int | None
+    log_every: int
+    channels_last: bool
+    eval_data: object
+    eval_loss: Loss
+    history: History
+    checkpoint: Checkpointer | None = None
+    board: object = None  # the TensorBoard log (one that writes nothing when off)
+    bar: Progress | None = None
+    watcher: Monitor | None = None
+    micro_batch_size: int | None = None  # samples per micro-batch: the loader's, else read from the first batch
+    seen_a_batch: bool = False
+    start_epoch: int = 0
+    step_index: int = 0  # optimizer steps taken
+    phase: str = "loading data"  # what an out-of-memory error is reported as happening in
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def accumulate(self) -> int:
+        return self.step.accumulate
+
+    def done(self) -> bool:
+        return self.total_steps is not None and self.step_index >= self.total_steps
+
+    def resume_from(self, checkpoint_dir) -> None:
+        if checkpoint_dir is None:
+            return
+        plan = {"total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+                "batch_size": getattr(self.loader, "batch_size", None), "accumulate": self.accumulate}  # fmt: skip
+        self.checkpoint = Checkpointer(checkpoint_dir, plan)
+        self.start_epoch, self.step_index = self.checkpoint.resume(
+            self.model, self.step.optimizer, self.scheduler, self.precision, self.history
+        )
+        distributed.check_same(self.start_epoch, "the epoch to resume from")
+
+    def start_reporting(self, log_dir, progress: bool, live_plot: bool, monitor: bool | Monitor) -> None:
+        """The TensorBoard log, the progress bar and the monitor: one of each per job, on its first rank."""
+        main = distributed.is_main()
+        self.board = open_log(log_dir if main else None)  # fails before training if the folder is unusable
+        self.bar = Progress(total=self.total_steps, initial=self.step_index, enabled=progress and main,
+                            live_plot=live_plot)  # fmt: skip
+        self.watcher = _start_monitor(monitor, self.device)
+        if self.device.type == "cuda":
+            watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+            self.history.monitor = self.watcher.samples
+        if self.bar is not None:
+            self.bar.close()
+        if self.board is not None:
+            self.board.close()
+        self.history.skipped_steps = self.precision.skipped_steps
+        self.history.seconds += time.perf_counter() - self.started
+
+    def release(self) -> None:
+        """Drop everything this run built (the batches, graph, optimizer state), after an out-of-memory error."""
+        self.loader = self.parallel = self.step = self.scheduler = self.eval_data = None
+        self.model.zero_grad(set_to_none=True)
+        free_memory(self.device)
+
+
+def _train(run: _Run, epochs: int) -> History:
+    """Every epoch; an out-of-memory error frees what the run held, then says where it ran out and what to try."""
+    error = None
+    run.model.train()
     try:
-        with precision.flags():
-            for epoch in range(start_epoch, epochs):
-                if total_steps is not None and step_index >= total_steps:
+        with run.precision.flags():
+            for epoch in range(run.start_epoch, epochs):
+                if run.done():
                     break
-                if hasattr(loader, "set_epoch"):
-                    loader.set_epoch(epoch)
-                elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
-                    loader.sampler.set_epoch(epoch)
-                epoch_started = time.perf_counter()
-                if watcher is not None:
-                    watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                tally, window = Tally(device, loss, metrics), _Window(device)
-                micro = 0
-                for raw in batches(loader, device):
-                    if steps_per_epoch is not None and micro == steps_per_epoch * accumulate:
-                        break  # leftover micro-batches would leave gradients behind for the next step
-                    batch = prepare(raw, device, channels_last)
-                    if first_batch:  # what a sample is, and how many a step takes, read from the data itself
-                        first_batch = False
-                        micro_batch_size = micro_batch_size or batch.size
-                        history.batch_size = micro_batch_size * accumulate * distributed.world_size()
-                        history.sample_name = batch.sample_name
-                        if channels_last and not any(t.dim() == 4 and t.is_floating_point() for t in batch.tensors()):
-                            warnings.warn("channels_last=True applies to 4-D image batches; these inputs have none, so "
-                                          "only the model's 4-D weights were converted.", stacklevel=2)  # fmt: skip
-                    phase = "forward"
-                    # Micro-batches that do not step keep their gradients local: one all-reduce per step.
-                    with distributed.no_sync(parallel, (micro + 1) % accumulate != 0):
-                        value, prediction, model_loss = step.forward(batch)
-                        phase = "backward"
-                        step.backward(value)
-                    tally.add(batch, value, prediction, model_loss)
-                    window.add(batch, value)
-                    micro += 1
-                    phase = "loading data"
-                    if micro % accumulate:
-                        continue
-                    phase = "optimizer step"
-                    step.step()
-                    scheduler.step()
-                    phase = "loading data"
-                    step_index += 1
-                    window.steps += 1
-                    if window.steps == log_every or step_index == total_steps:
-                        _log(window, history, bar, board, step_index, epoch, built, precision, peak_lr)
-                    if total_steps is not None and step_index >= total_steps:
-                        break
-                if micro % accumulate:  # data without len(): drop the gradients of the last, incomplete step
-                    built.zero_grad(set_to_none=True)
-                if micro == 0:
-                    raise ValueError(
-                        f"the training data gave no batch in epoch {epoch + 1}; a generator or iterator can be read "
-                        "only once: pass a list, a Dataset or a DataLoader."
-                    )
-                if window.steps:
-                    _log(window, history, bar, board, step_index, epoch, built, precision, peak_lr)
-                *sums, samples = distributed.sum_over_ranks(*tally.tensors(), tally.samples)  # one all-reduce
-                tally.replace(sums, samples)
-                seconds = time.perf_counter() - epoch_started  # training only, evaluation excluded
-                energy = _epoch_energy(watcher, samples) if watcher is not None else {}
-                phase = "evaluation"
-                row = {"epoch": epoch + 1} | tally.read("train_")
-                if eval_data is not None:
-                    result = evaluate(model, eval_data, precision=precision, device=device, channels_last=channels_last,
-                                      loss_fn=eval_loss, metrics=metrics)  # fmt: skip
-                    row |= {
-                        f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")
-                    }
-                row["peak_memory"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-                row["seconds"] = seconds
-                row |= energy
-                history.epochs.append(row)
-                board.add_epoch(row)
-                bar.epoch_done(history)
-                if checkpoint:
-                    if distributed.is_main():  # one writer: every rank holds the same state
-                        checkpoint.save(epoch + 1, step_index, model, built, scheduler, precision, history)
-                    distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
-    except torch.OutOfMemoryError as error:
-        # Read the numbers now; keep no reference to `error`, whose traceback holds the step's tensors.
-        out_of_memory = out_of_memory_error(error, phase, device, batch_size=micro_batch_size or 0,
-                                            accumulate=accumulate, precision=precision.name)  # fmt: skip
+                _end_epoch(run, epoch, *_train_epoch(run, epoch))
+    except torch.OutOfMemoryError as out_of_memory:
+        # Read the numbers now; keep no reference to the original error, whose traceback holds the step's tensors.
+        error = out_of_memory_error(out_of_memory, run.phase, run.device, batch_size=run.micro_batch_size or 0,
+                                    accumulate=run.accumulate, precision=run.precision.name)  # fmt: skip
     finally:
-        if watcher is not None:
-            watcher.close()
-            history.monitor = watcher.samples
-        bar.close()
-        board.close()
-        history.skipped_steps = precision.skipped_steps
-        history.seconds += time.perf_counter() - started
-    if out_of_memory is not None:
-        # The raised error's traceback keeps this frame, and so these variables, alive: drop what
-        # this call allocated so that the notebook kernel can go on without a restart.
-        batch = raw = value = prediction = model_loss = built = scheduler = loader = step = parallel = tally = None
-        window = None
-        model.zero_grad(set_to_none=True)
-        free_memory(device)
-        # A frame whose local holds the error it raises is a cycle (error -> traceback -> this frame ->
-        # local -> error) that keeps `model` and all above alive until gc runs: drop the local first.
-        error, out_of_memory = out_of_memory, None
-        try:
-            raise error
-        finally:
-            del error
-    return history
+        run.close()
+    if error is None:
+        return run.history
+    run.release()
+    # A frame whose local holds the error it raises is a cycle (error -> traceback -> this frame -> local ->
+    # error) that keeps the model alive until gc runs: drop the local first.
+    try:
+        raise error
+    finally:
+        del error
+
+
+def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
+    """One pass over this rank's data: returns its tally and the seconds it took (evaluation excluded)."""
+    loader = run.loader
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+    started = time.perf_counter()
+    if run.watcher is not None:
+        run.watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    tally, window, micro = Tally(run.device, run.loss, run.metrics), _Window(run.device), 0
+    for raw in batches(loader, run.device):
+        if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
+            break  # leftover micro-batches would leave gradients behind for the next step
+        batch = prepare(raw, run.device, run.channels_last)
+        if not run.seen_a_batch:
+            _first_batch(run, batch)
+        last = (micro + 1) % run.accumulate == 0  # the micro-batch whose backward ends an optimizer step
+        _micro_step(run, batch, last, tally, window)
+        micro += 1
+        if last:
+            _optimizer_step(run, window, epoch)
+            if run.done():
+                break
+    if micro % run.accumulate:  # data without len(): drop the gradients of the last, incomplete step
+        run.step.optimizer.zero_grad(set_to_none=True)
+    if micro == 0:
+        raise ValueError(
+            f"the training data gave no batch in epoch {epoch + 1}; a generator or iterator can be read "
+            "only once: pass a list, a Dataset or a DataLoader."
+        )
+    if window.steps:
+        _log(run, window, epoch)
+    return tally, time.perf_counter() - started
+
+
+def _first_batch(run: _Run, batch: Batch) -> None:
+    """What a sample is, and how many a step takes, read from the data itself."""
+    run.seen_a_batch = True
+    run.micro_batch_size = run.micro_batch_size or batch.size
+    run.history.batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
+    run.history.sample_name = batch.sample_name
+    if run.channels_last and not any(t.dim() == 4 and t.is_floating_point() for t in batch.tensors()):
+        warnings.warn("channels_last=True applies to 4-D image batches; these inputs have none, so "
+                      "only the model's 4-D weights were converted.", stacklevel=5)  # fmt: skip
+
+
+def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Window) -> None:
+    """Forward and backward of one micro-batch; gradients stay local (no all-reduce) until the step's last."""
+    run.phase = "forward"
+    with distributed.no_sync(run.parallel, not last):
+        loss, prediction, model_loss = run.step.forward(batch)
+        run.phase = "backward"
+        run.step.backward(loss)
+    tally.add(batch, loss, prediction, model_loss)
+    window.add(batch, loss)
+    run.phase = "loading data"
+
+
+def _optimizer_step(run: _Run, window: _Window, epoch: int) -> None:
+    run.phase = "optimizer step"
+    run.step.step()
+    run.scheduler.step()
+    run.phase = "loading data"
+    run.step_index += 1
+    window.steps += 1
+    if window.steps == run.log_every or run.step_index == run.total_steps:
+        _log(run, window, epoch)
+
+
+def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
+    """Sum the epoch over ranks, evaluate, record the row, and save the run."""
+    tally.over_ranks()  # one all-reduce
+    energy = _epoch_energy(run.watcher, tally.samples) if run.watcher is not None else {}
+    run.phase = "evaluation"
+    row = {"epoch": epoch + 1} | tally.read("train_")
+    if run.eval_data is not None:
+        result = evaluate(run.model, run.eval_data, precision=run.precision, device=run.device,
+                          channels_last=run.channels_last, loss_fn=run.eval_loss, metrics=run.metrics)  # fmt: skip
+        row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
+    row["peak_memory"] = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
+    row |= {"seconds": seconds} | energy
+    run.history.epochs.append(row)
+    run.board.add_epoch(row)
+    run.bar.epoch_done(run.history)
+    run.phase = "loading data"
+    if run.checkpoint is not None:
+        if distributed.is_main():  # one writer: every rank holds the same state
+            run.checkpoint.save(epoch + 1, run.step_index, run.model, run.step.optimizer, run.scheduler,
+                                run.precision, run.history)  # fmt: skip
+        distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
+
+
+class _Window:
+    """Sums over the optimizer steps between two log points, kept on the device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = RunningSums(self.device, ["loss", "tokens"])
+        self.sequences = False
+        self.micro_batches = self.samples = self.steps = 0
+        self.started = time.perf_counter()
+
+    def add(self, batch: Batch, loss: torch.Tensor) -> None:
+        self.sums.add("loss", loss)
+        self.micro_batches += 1
+        self.samples += batch.size
+        if batch.is_sequence:
+            self.sequences = True
+            self.sums.add("tokens", batch.count_tokens())
+
+    def row(self, step: int, epoch: int, lr: float) -> dict:
+        """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""
+        self.sums.over_ranks()
+        sums, ranks = self.sums.read(), distributed.world_size()
+        elapsed = time.perf_counter() - self.started  # after the synchronisation: the GPU's work is done
+        row = {
+            "step": step, "epoch": epoch, "loss": sums["loss"] / (ranks * self.micro_batches), "lr": lr,
+            "step_time": elapsed / self.steps, "samples_per_second": self.samples * ranks / elapsed,
+        }  # fmt: skip
+        if self.sequences:
+            row["tokens_per_second"] = sums["tokens"] / elapsed
+        return row
+
+
+def _log(run: _Run, window: _Window, epoch: int) -> None:
+    row = window.row(run.step_index, epoch + 1, run.step.optimizer.param_groups[0]["lr"])
+    if not math.isfinite(row["loss"]):
+        raise NonFiniteLossError(
+            f"the loss became {row['loss']} between optimizer steps {run.step_index - window.steps + 1} and "
+            f"{run.step_index} (epoch {epoch + 1}, precision={run.precision.name}, peak lr={run.peak_lr:g}). Try a "
+            "lower lr, more warm-up, gradient clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss "
+            "scaling if you scale by hand)."
+        )
+    run.history.steps.append(row)
+    run.board.add_step(row)
+    run.bar.update(window.steps, row, run.history)
+    window.reset()
 
 
 def _start_monitor(monitor: bool | Monitor, device: torch.device) -> Monitor | None:
@@ -355,19 +483,3 @@ def _epoch_energy(watcher: Monitor, samples) -> dict:
         row["joules_per_sample"] = row["energy_j"] / local_samples
         row["co2_grams"] = watcher.co2_grams(row["energy_j"])
     return row
-
-
-def _log(
-    window: _Window, history: History, bar, board, step_index: int, epoch: int, optimizer, precision, peak_lr
-) -> None:
-    row = window.row(step_index, epoch + 1, optimizer.param_groups[0]["lr"])
-    if not math.isfinite(row["loss"]):
-        raise NonFiniteLossError(
-            f"the loss became {row['loss']} between optimizer steps {step_index - window.steps + 1} and {step_index} "
-            f"(epoch {epoch + 1}, precision={precision.name}, peak lr={peak_lr:g}). Try a lower lr, more warm-up, gradient "
-            "clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss scaling if you scale by hand)."
-        )
-    history.steps.append(row)
-    board.add_step(row)
-    bar.update(window.steps, row, history)
-    window.reset()

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .. import distributed
 from ..step import Batch, Loss
 
 RESERVED = ("loss", "accuracy", "samples", "tokens")
@@ -31,13 +32,35 @@ def check_metrics(metrics) -> dict[str, Callable]:
     return dict(metrics)
 
 
-class Tally:
-    """Sums of loss, accuracy and metrics over batches, kept on the device.
+class RunningSums:
+    """Named sums kept on the device in float64: adding never waits for the GPU, `read()` waits once,
+    and `over_ranks()` adds them up across a distributed job in one all-reduce."""
 
-    Adding a batch never waits for the GPU; `read()` synchronises once. The loss and each
-    metric are averaged over samples, weighted by batch size; accuracy is correct over scored
-    targets (token accuracy for sequences, targets equal to -100 not scored). Whether accuracy
-    applies is decided at the first batch (see Loss.tracks_accuracy).
+    def __init__(self, device: torch.device, names):
+        zero = torch.zeros((), device=device, dtype=torch.float64)
+        self.values = {name: zero.clone() for name in names}
+
+    def add(self, name: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().reshape(()).to(torch.float64)
+        self.values[name] += value
+
+    def over_ranks(self, *counts: int) -> tuple[int, ...]:
+        """Sum every value, and the host-side `counts` given, over all ranks; returns the counts' sums."""
+        values = distributed.sum_over_ranks(*self.values.values(), *counts)
+        self.values = dict(zip(self.values, values[: len(self.values)]))
+        return tuple(values[len(self.values) :])
+
+    def read(self) -> dict[str, float]:
+        return dict(zip(self.values, torch.stack(list(self.values.values())).tolist()))
+
+
+class Tally:
+    """Loss, accuracy, metrics and tokens over a pass of the data (`fit`'s epochs, `evaluate`).
+
+    The loss and each metric are averaged over samples, weighted by batch size; accuracy is
+    correct over scored targets (token accuracy for sequences, targets equal to -100 not
+    scored). Whether accuracy applies is decided at the first batch (Loss.tracks_accuracy).
     """
 
     def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable]):
@@ -45,43 +68,41 @@ class Tally:
         self.metrics = metrics
         self.accuracy: bool | None = None
         self.samples = 0
-        zero = torch.zeros((), device=device, dtype=torch.float64)
-        self.sums = {"loss": zero.clone(), "correct": zero.clone(), "scored": zero.clone()}
-        self.sums |= {name: zero.clone() for name in metrics}
+        self.sequences = False  # whether tokens were counted (sequence data)
+        self.sums = RunningSums(device, ["loss", "correct", "scored", "tokens", *metrics])
 
     def add(self, batch: Batch, loss: torch.Tensor, prediction, model_loss=None) -> None:
         if self.accuracy is None:
             self.accuracy = prediction is not None and self.loss.tracks_accuracy(batch, model_loss)
         size = batch.size
         self.samples += size
-        self.sums["loss"] += loss.detach() * size
+        self.sums.add("loss", loss.detach() * size)
         if self.accuracy:
             correct, scored = self.loss.correct(prediction.detach(), batch.target)
-            self.sums["correct"] += correct
-            self.sums["scored"] += scored
+            self.sums.add("correct", correct)
+            self.sums.add("scored", scored)
+        if batch.is_sequence:
+            self.sequences = True
+            self.sums.add("tokens", batch.count_tokens())
         if self.metrics:
             with torch.no_grad():
                 output = prediction.detach() if prediction is not None else None
                 for name, fn in self.metrics.items():
-                    value = fn(output, batch.target)
-                    if isinstance(value, torch.Tensor):
-                        value = value.detach().reshape(()).to(self.sums[name].dtype)
-                    self.sums[name] += value * size
+                    self.sums.add(name, fn(output, batch.target) * size)
 
-    def tensors(self) -> list[torch.Tensor]:
-        """What ranks add up in a distributed job (with `samples`)."""
-        return list(self.sums.values())
+    def over_ranks(self) -> None:
+        """Add up every rank's sums and samples (one all-reduce)."""
+        (self.samples,) = self.sums.over_ranks(self.samples)
 
-    def replace(self, values, samples: int) -> None:
-        self.sums = dict(zip(self.sums, values))
-        self.samples = samples
-
-    def read(self, prefix: str = "") -> dict:
-        """{prefix + "loss", prefix + "accuracy" (if it applies), prefix + each metric}: one synchronisation."""
-        values = dict(zip(self.sums, torch.stack(list(self.sums.values())).tolist()))
+    def read(self, prefix: str = "", tokens: bool = False) -> dict:
+        """{prefix + "loss", prefix + "accuracy" (if it applies), prefix + each metric, and with `tokens` the
+        scored tokens of sequence data}: one synchronisation."""
+        values = self.sums.read()
         samples = max(self.samples, 1)
         row = {f"{prefix}loss": values["loss"] / samples}
         if self.accuracy:
             row[f"{prefix}accuracy"] = values["correct"] / values["scored"] if values["scored"] else None
         row |= {f"{prefix}{name}": values[name] / samples for name in self.metrics}
+        if tokens and self.sequences:
+            row[f"{prefix}tokens"] = int(values["tokens"])
         return row

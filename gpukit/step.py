@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._pytree import tree_map
 
-from .precision import Precision
+from .precision import Precision, get_precision
 
 IGNORE_INDEX = -100  # targets equal to this are not scored (PyTorch's and Hugging Face's convention)
 LOSSES = ("cross_entropy", "mse")
@@ -375,6 +375,8 @@ class TrainStep:
     """Forward, loss, backward and the optimizer step for one precision, as `fit` runs them.
 
     model:       what is called (the model itself, or its DDP/compiled wrapper);
+    precision:   a Precision, or its name ("fp32", "tf32", "bf16-mixed", "fp16-mixed") for the device
+                 of the model's parameters (or `device`);
     parameters:  what the optimizer updates and `clip` bounds (the bare model's parameters);
     accumulate:  micro-batches per optimizer step: each loss is divided by it before backward.
 
@@ -386,19 +388,23 @@ class TrainStep:
         self,
         model: Callable,
         optimizer: torch.optim.Optimizer | None,
-        precision: Precision,
+        precision: Precision | str = "fp32",
         loss: Loss | None = None,
         *,
         parameters=None,
         accumulate: int = 1,
         clip: float | None = None,
         set_to_none: bool = True,
+        device: str | torch.device | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
+        self.parameters = list(parameters if parameters is not None else model.parameters())
+        if isinstance(precision, str):
+            where = device if device is not None else self.parameters[0].device if self.parameters else "cpu"
+            precision = get_precision(precision, where)
         self.precision = precision
         self.loss = loss if loss is not None else Loss()
-        self.parameters = list(parameters if parameters is not None else model.parameters())
         self.accumulate = accumulate
         self.clip = clip
         self.set_to_none = set_to_none

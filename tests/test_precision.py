@@ -94,3 +94,26 @@ def test_fast_kernels_come_from_the_hardware_not_a_timing():
     assert "6.1" in has_fast_kernels("fp16-mixed", "cuda", (6, 1))[1]
     with pytest.raises(ValueError, match="unknown"):
         has_fast_kernels("fp8", "cpu")
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_train_step_takes_a_precision_name(kind):
+    """TrainStep("bf16-mixed") equals TrainStep(get_precision("bf16-mixed", device)) for the model's device."""
+    if kind == "cnn":
+        make, batch = (lambda: gk.models.fast_cnn(8)), (torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
+    else:
+        tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+        make, batch = (
+            (lambda: gk.models.gpt(max_seq_len=16, width=32, depth=1, heads=2)),
+            (tokens[:, :-1], tokens[:, 1:]),
+        )
+    losses = []
+    for precision in ("bf16-mixed", gk.get_precision("bf16-mixed", "cpu")):
+        torch.manual_seed(0)
+        model = make()
+        step = gk.step.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), precision)
+        assert step.precision.name == "bf16-mixed" and step.precision.device.type == "cpu"
+        losses.append([step(batch).item() for _ in range(2)])
+    assert losses[0] == losses[1]
+    with pytest.raises(ValueError, match="bf17"):
+        gk.step.TrainStep(make(), None, "bf17")

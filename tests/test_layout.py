@@ -95,3 +95,14 @@ def test_nothing_inside_imports_the_top_level_package():
     """gpukit/__init__ imports everything; a module importing it back would be a cycle at import time."""
     offenders = [name for name in MODULES if name != "gpukit" and "gpukit" in imports(name)]
     assert not offenders, offenders
+
+
+def test_importing_gpukit_leaves_torchvision_for_first_use():
+    """torchvision costs about a second to import (measured: `import gpukit` after torch went from 1.5 s to
+    0.22 s when it became lazy); only code that decodes images or builds torchvision models loads it."""
+    import subprocess
+    import sys
+
+    code = "import sys, torch, gpukit; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded

@@ -31,10 +31,9 @@ from collections.abc import Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
-from torchvision.transforms import v2
 
 from ..report import Table
+from . import vision
 
 
 def _as_tensors(encoded: Sequence[bytes]) -> list[torch.Tensor]:
@@ -55,7 +54,8 @@ def decode_batch(encoded: Sequence[bytes], device: str | torch.device = "cpu") -
         )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"decode_jpeg decodes on 'cpu' or 'cuda', not {device.type!r}.")
-    return decode_jpeg(_as_tensors(encoded), mode=ImageReadMode.RGB, device=device)
+    io = vision.io()
+    return io.decode_jpeg(_as_tensors(encoded), mode=io.ImageReadMode.RGB, device=device)
 
 
 def photo_jpegs(images: torch.Tensor, side: int, *, grain: float = 8.0, quality: int = 90,
@@ -72,7 +72,7 @@ def photo_jpegs(images: torch.Tensor, side: int, *, grain: float = 8.0, quality:
     upscaled = torch.nn.functional.interpolate(images.float(), size=side, mode="bilinear")
     noise = torch.randn(upscaled.shape, generator=torch.Generator().manual_seed(seed))
     pixels = (upscaled + grain * noise).round().clamp(0, 255).to(torch.uint8)
-    return [encode_jpeg(image, quality=quality).numpy().tobytes() for image in pixels]
+    return [vision.io().encode_jpeg(image, quality=quality).numpy().tobytes() for image in pixels]
 
 
 def decode_pil(data: bytes) -> torch.Tensor:
@@ -80,15 +80,19 @@ def decode_pil(data: bytes) -> torch.Tensor:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
-        return v2.functional.pil_to_tensor(image.convert("RGB"))
+        return vision.v2().functional.pil_to_tensor(image.convert("RGB"))
 
 
-def augmentation(size: int) -> v2.Compose:
-    """The usual ImageNet-style training augmentation, to `size`×`size` uint8 images."""
-    return v2.Compose([
-        v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(),
-        v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4),
-    ])  # fmt: skip
+def augmentation(size: int):
+    """The usual ImageNet-style training augmentation, to `size`×`size` uint8 images (a v2.Compose)."""
+    v2 = vision.v2()
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(size, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4),
+        ]
+    )
 
 
 class EncodedImages(Dataset):
@@ -105,7 +109,10 @@ class EncodedImages(Dataset):
         return len(self.encoded)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = decode_jpeg(torch.frombuffer(bytearray(self.encoded[index]), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        io = vision.io()
+        image = io.decode_jpeg(
+            torch.frombuffer(bytearray(self.encoded[index]), dtype=torch.uint8), mode=io.ImageReadMode.RGB
+        )
         return self.transform(image), self.labels[index]
 
 
@@ -113,7 +120,8 @@ def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
     """Resize, then crop, flip and jitter a whole batch at once. transforms.v2 on a batched tensor draws
     one set of random parameters for the whole batch (per-image crops and flips on a batch:
     gk.data.random_crop_flip)."""
-    batch = torch.stack([v2.functional.resize(image, [size, size], antialias=True) for image in images])
+    resize = vision.v2().functional.resize
+    batch = torch.stack([resize(image, [size, size], antialias=True) for image in images])
     return augmentation(size)(batch)
 
 

@@ -15,11 +15,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from torchvision.io import ImageReadMode, decode_image
-from torchvision.transforms.v2 import functional as F
 from tqdm.auto import tqdm
 
 from ..files import save_atomic
+from . import vision
 from .images import ImageDataset
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")  # compared in lower case: .JPG and .Png count too
@@ -156,8 +155,9 @@ def _decode(path: Path, size: int) -> torch.Tensor:
     data = path.read_bytes()  # an OSError (unreadable file) propagates: that is not a corrupt image
     if not data:
         raise RuntimeError(f"{path} is empty")
-    image = decode_image(
-        torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, apply_exif_orientation=True
+    io, F = vision.io(), vision.v2().functional
+    image = io.decode_image(
+        torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=io.ImageReadMode.RGB, apply_exif_orientation=True
     )
     image = F.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs decode to uint16
     image = F.resize(image, [size], antialias=True)  # shorter side → size pixels

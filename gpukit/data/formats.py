@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_image, encode_jpeg, encode_png
 
 from ..files import write_atomic
+from . import vision
 from .images import ImageDataset
 from .pagecache import can_evict, evict, resident_bytes
 
@@ -50,7 +50,8 @@ def encode(image: torch.Tensor, format: str = "jpeg", quality: int = 90) -> byte
     """One uint8 image (C, H, W) as JPEG or PNG bytes."""
     if format not in IMAGE_FORMATS:
         raise ValueError(f"format={format!r} is unknown; use one of {', '.join(map(repr, IMAGE_FORMATS))}.")
-    data = encode_jpeg(image, quality=quality) if format == "jpeg" else encode_png(image)
+    io = vision.io()
+    data = io.encode_jpeg(image, quality=quality) if format == "jpeg" else io.encode_png(image)
     return data.numpy().tobytes()
 
 
@@ -66,7 +67,8 @@ def decode(data: bytes, name: str, suffix: str | None = None) -> torch.Tensor:
             f"({', '.join(DECODABLE)}); convert the file to JPEG or PNG, or remove it."
         )
     try:
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        io = vision.io()
+        return io.decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=io.ImageReadMode.RGB)
     except RuntimeError as error:  # torchvision reports corrupt or truncated data as RuntimeError
         raise ValueError(f"cannot decode {name}: the data is corrupt or truncated ({error}).") from None
 

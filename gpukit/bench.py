@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from .env import resolve_device
+from .hardware.gpus import find_gpu
 from .step import Loss, forward_backward
 
 
@@ -185,9 +186,6 @@ def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     `precision` is "fp32", "tf32", "bf16", "fp16" or "fp8" (a "-mixed" suffix is ignored). The
     figures come from the one GPU table, gk.hardware.GPUS (each row cites its datasheet).
     """
-    # Imported here: gpukit.hardware's plan imports this module, so a top-level import would be a cycle.
-    from .hardware.gpus import find_gpu
-
     gpu = find_gpu(device_name)
     return gpu.peak_tflops(precision) if gpu is not None else None
 

@@ -23,24 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .deprecation import renamed
 from .env import ask_nvml, cuda_build_problem, detect, nvml_cuda_version
+from .hardware.clocks import BENIGN_CLOCK_REASONS, clock_reasons
+from .hardware.gpus import find_gpu
 from .report import Table, format_bytes
-
-# Bits of NVML's "clocks event reasons" (formerly "clocks throttle reasons") mask: why the GPU
-# runs below its maximum clocks. Values from nvml.h (nvmlClocksEventReason*).
-CLOCK_REASONS = {
-    0x1: "idle",
-    0x2: "application clocks setting",
-    0x4: "software power cap",
-    0x8: "hardware slowdown",
-    0x10: "sync boost",
-    0x20: "software thermal slowdown",
-    0x40: "hardware thermal slowdown",
-    0x80: "hardware power brake slowdown",
-    0x100: "display clock setting",
-}
-# Reasons that are a choice or a rest state, not a sign the GPU cannot keep up.
-BENIGN_CLOCK_REASONS = frozenset({"idle", "application clocks setting", "display clock setting"})
 
 # What to do about each reason that lowers clocks under load: one sentence each.
 _CLOCK_ADVICE = {
@@ -208,9 +195,6 @@ def _number(value: float | None) -> str:
 
 def _datasheet(device_name: str) -> str:
     """The GPU table's row for this GPU, in a few words (gk.hardware.GPUS)."""
-    # Imported here: gpukit.hardware imports this module (the clock reasons).
-    from .hardware.gpus import find_gpu
-
     gpu = find_gpu(device_name)
     if gpu is None:
         return "not in gk.hardware.GPUS"
@@ -220,16 +204,6 @@ def _datasheet(device_name: str) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Warnings: pure functions of a Report
-
-
-def decode_clock_reasons(mask: int) -> list[str]:
-    """NVML's clocks event (throttle) reasons bit mask → readable names, lowest bit first."""
-    names = []
-    for bit in range(mask.bit_length()):
-        value = 1 << bit
-        if mask & value:
-            names.append(CLOCK_REASONS.get(value, f"unknown reason 0x{value:x}"))
-    return names
 
 
 def _version_tuple(version: str | None) -> tuple[int, ...] | None:
@@ -468,7 +442,7 @@ def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
         ecc_errors=None if ecc is None else int(ecc),
         sm_clock=ask("nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_SM),  # MHz
         memory_clock=ask("nvmlDeviceGetClockInfo", pynvml.NVML_CLOCK_MEM),
-        clock_reasons=decode_clock_reasons(mask) if mask is not None else [],
+        clock_reasons=clock_reasons(mask) if mask is not None else [],
         processes=processes,
     )
 
@@ -515,3 +489,6 @@ def doctor() -> Report:
     Safe before forking GPU workers: it never initialises CUDA in this process.
     """
     return collect()
+
+
+__getattr__ = renamed(__name__, {"decode_clock_reasons": "gpukit.hardware.clocks:clock_reasons"})

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from . import runfile
+from .report import Table
+
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.5):
     import matplotlib.pyplot as plt
@@ -63,7 +66,6 @@ def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[st
     Returns (figure, table): the training loss per logged step and one panel per metric per epoch;
     a gk.Table with one row per run of its final values, throughput and wall time (History.summary()).
     """
-    from .report import Table
 
     if isinstance(histories, Mapping):
         if labels is not None:
@@ -128,8 +130,6 @@ def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[st
 def _as_run(item) -> tuple[str | None, list[dict], list[dict], dict]:
     """(name, steps, epochs, summary) of a History or of a file History.save wrote."""
     if isinstance(item, (str, os.PathLike)):
-        from . import runfile
-
         record = runfile.read(item)
         name = os.path.splitext(os.path.basename(item))[0]
         return name, record["history"]["steps"], record["history"]["epochs"], record["summary"]

@@ -6,6 +6,8 @@ everything here does nothing.
 
 from __future__ import annotations
 
+from .plots import plot_history
+
 
 def in_notebook() -> bool:
     """True inside a Jupyter kernel (where widgets can be shown)."""
@@ -35,8 +37,6 @@ class LivePlot:
             return
         import matplotlib.pyplot as plt
         from IPython.display import display
-
-        from .plots import plot_history
 
         with self.output:
             self.output.clear_output(wait=True)

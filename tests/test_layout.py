@@ -1,7 +1,10 @@
 """The package's shape: no import cycles, and lower layers never import higher ones.
 
 Read from the source (every import statement, including those inside functions), not from a
-running interpreter, so that an import hidden in a function body counts too.
+running interpreter, so that an import hidden in a function body counts too. Importing a module
+first runs its packages' `__init__`s: a module that imports `gpukit.hardware.gpus` also imports
+what `gpukit/hardware/__init__.py` imports when it loads (its top-level imports; a package may
+load more on first use, in a module `__getattr__`, which cannot make an import-time cycle).
 """
 
 import ast
@@ -14,6 +17,10 @@ PACKAGE = Path(__file__).parent.parent / "gpukit"
 # Lower layers first. A module may import its own layer and the ones before it, never a later one.
 LAYERS = [
     {
+        "gpukit.deprecation",
+        "gpukit.hardware.clocks",
+        "gpukit.hardware:init",  # the package's own __init__: the tables only
+        "gpukit.data.vision",
         "gpukit.env",
         "gpukit.report",
         "gpukit.files",
@@ -39,12 +46,14 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
-def imports(name: str) -> set[str]:
-    """The gpukit modules `name` imports (a `from package import module` counts as the module)."""
+def imports(name: str, top_level_only: bool = False) -> set[str]:
+    """The gpukit modules `name` imports (a `from package import module` counts as the module), and
+    the packages above each of them, whose `__init__` runs first."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in tree.body if top_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -54,31 +63,63 @@ def imports(name: str) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
-    return {module for module in found if module in MODULES and module != name}
+    parents = {".".join(module.split(".")[:end]) for module in found for end in range(2, module.count(".") + 1)}
+    inside = {".".join(name.split(".")[:end]) for end in range(1, name.count(".") + 1)}  # already loading
+    return {module for module in found | (parents - inside) if module in MODULES and module != name}
+
+
+def is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def loads(name: str) -> set[str]:
+    """What importing `name` runs: its imports, where a package imported for a submodule runs only its
+    top-level imports (a package that `name` imports by name counts whole)."""
+    edges = set()
+    for other in imports(name):
+        whole = not is_package(other) or other not in {".".join(m.split(".")[:-1]) for m in imports(name)}
+        edges |= {other} if whole else {other + ":init"}
+    return edges
 
 
 def layer(name: str) -> int:
-    for index, members in enumerate(LAYERS):
-        if any(name == member or name.startswith(member + ".") for member in members):
-            return index
-    raise AssertionError(f"{name} is in no layer: add it to LAYERS in tests/test_layout.py")
+    """The layer of a module, or of a package's `__init__` alone (`name:init`), by its longest listed prefix."""
+    matches = [
+        (len(member), index)
+        for index, members in enumerate(LAYERS)
+        for member in members
+        if name == member or name.startswith(member + ".") or (name.endswith(":init") and name[:-5] == member)
+    ]
+    if not matches:
+        raise AssertionError(f"{name} is in no layer: add it to LAYERS in tests/test_layout.py")
+    return max(matches)[1]
 
 
-@pytest.mark.parametrize("name", sorted(name for name in MODULES if name != "gpukit"))
+def graph() -> dict[str, set[str]]:
+    """Module → what importing it runs; `package:init` → what the package's __init__ runs when it loads."""
+    edges = {name: loads(name) - {"gpukit"} for name in MODULES if name != "gpukit"}
+    for name in MODULES:
+        if name != "gpukit" and is_package(name):
+            edges[name + ":init"] = {m for m in imports(name, top_level_only=True) if m != "gpukit"}
+    return edges
+
+
+@pytest.mark.parametrize("name", sorted(graph()))
 def test_no_module_imports_a_higher_layer(name):
-    higher = {other for other in imports(name) if other != "gpukit" and layer(other) > layer(name)}
+    higher = {other for other in graph()[name] if layer(other) > layer(name)}
     assert not higher, f"{name} (layer {layer(name)}) imports {sorted(higher)} from a higher layer"
 
 
 def test_no_import_cycles():
-    graph = {name: imports(name) - {"gpukit"} for name in MODULES if name != "gpukit"}
+    edges = graph()
+    graph_ = {name: {other for other in targets if other in edges} for name, targets in edges.items()}
     # A package imports its own modules in its __init__; those modules may import the package's
     # siblings but never the package back (that is the cycle that breaks imports).
     state: dict[str, str] = {}
 
     def visit(name, path):
         state[name] = "open"
-        for other in sorted(graph[name]):
+        for other in sorted(graph_[name]):
             if state.get(other) == "open":
                 cycle = path[path.index(other) :] + [other]
                 raise AssertionError("import cycle: " + " → ".join(cycle))
@@ -86,7 +127,7 @@ def test_no_import_cycles():
                 visit(other, path + [other])
         state[name] = "done"
 
-    for name in sorted(graph):
+    for name in sorted(graph_):
         if name not in state:
             visit(name, [name])
 

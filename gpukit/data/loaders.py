@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .. import env
 from ..env import resolve_device
 from .bottleneck import check_workers
 from .images import ImageDataset
@@ -196,9 +197,7 @@ def dataloader(
             dataset.images, dataset.labels, dataset.classes, dataset.mean, dataset.std, _CropFlip(padding)
         )
     if pin_memory is None:
-        from ..env import detect
-
-        pin_memory = detect().device == "cuda"  # asks NVML: does not initialise CUDA here
+        pin_memory = env.detect().device == "cuda"  # asks NVML: does not initialise CUDA here
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .. import env
 from ..files import write_atomic
 from .bottleneck import check_workers
 from .formats import INDEX, _check_dataset, _fresh_folder, _metadata, _publish, decode, encode, read_index
@@ -253,9 +254,7 @@ class ShardLoader:
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         if pin_memory is None:
-            from ..env import detect
-
-            pin_memory = detect().device == "cuda"  # asks NVML: does not initialise CUDA here
+            pin_memory = env.detect().device == "cuda"  # asks NVML: does not initialise CUDA here
         self.pin_memory = pin_memory
         self.drop_last = shuffle if drop_last is None else drop_last
         self.normalize, self.seed, self.epoch = normalize, seed, 0

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from ..files import write_atomic  # the parent never reads half a file
 
 BACKENDS = ("nccl", "gloo")
@@ -130,9 +131,7 @@ def launch(
 
 
 def _check_backend_and_nprocs(backend: str | None, nprocs: int | None) -> tuple[str, int]:
-    from ..env import detect  # asks NVML, never the CUDA runtime: the parent stays CUDA-free
-
-    gpu_count = detect().gpu_count
+    gpu_count = env.detect().gpu_count  # asks NVML, never the CUDA runtime: the parent stays CUDA-free
     backend = backend if backend is not None else ("nccl" if gpu_count else "gloo")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; use 'nccl' (one GPU per process) or 'gloo' (CPU).")

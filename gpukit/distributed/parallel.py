@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from .. import env
 from ..data import DeviceLoader, ImageDataset, TextLoader, TokenDataset
 from ..memory.checkpointing import find_blocks
 
@@ -117,9 +118,8 @@ def _warn_if_restarts_may_fail() -> None:
 def _cuda_available(in_job: bool) -> bool:
     if in_job:
         return torch.cuda.is_available()  # a worker process may initialise CUDA
-    from ..env import detect
 
-    return detect().device == "cuda"  # asks NVML: a notebook must stay able to launch workers
+    return env.detect().device == "cuda"  # asks NVML: a notebook must stay able to launch workers
 
 
 def cleanup() -> None:

@@ -23,6 +23,7 @@ from ..bench import compare, timeit
 from ..precision import get_precision
 from ..step import TrainStep
 from . import parallel
+from .pipeline import TwoStagePipeline
 
 
 def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
@@ -221,7 +222,6 @@ def compare_parallelism(
     `micro_batches` pieces). state_bytes: parameters + gradients + optimizer state on the
     rank that holds the most; peak_memory: CUDA bytes allocated at the peak (None on CPU).
     """
-    from .pipeline import TwoStagePipeline
 
     device = parallel.default_device() or torch.device("cpu")
     count = parallel.world_size()

@@ -2,23 +2,42 @@
 
 gpus.py        one table of NVIDIA GPUs from their datasheets (memory, bandwidth, dense TFLOP/s,
                compute capability, TDP); find_gpu / get_gpu / add_gpu.
+clocks.py      NVML's clock-event reasons in words (why a GPU runs below its maximum clocks).
 planning.py    plan(): what fits each GPU, the largest batch, step time from a roofline, time and
                cost of a run, the Pareto frontier; checked against a measured run here.
 monitor.py     Monitor: a background NVML sampler (utilisation, memory, power, temperature, clocks,
                throttle reasons) and energy per epoch; CO₂ from a grid intensity you set.
 contention.py  measure_contention(): two training processes sharing one device against one alone.
 
-gk.bench and gk.doctor read the table too; they import it inside their functions, because this
-package's modules import gk.bench and gk.memory (which load before it).
+The two tables load with this package; planning, monitor and contention load on first use, so that
+lower layers (gk.bench, the doctor) can read the tables without importing what builds on them.
 """
 
-from .contention import ContentionResult, measure_contention
+import importlib
+
+from .clocks import BENIGN_CLOCK_REASONS, CLOCK_REASONS, clock_reasons
 from .gpus import GPU, GPUS, PRECISION_NAMES, add_gpu, find_gpu, get_gpu, reset_gpus, table
-from .monitor import DEFAULT_GRID_INTENSITY, Monitor, MonitorUnavailable, clock_reasons
-from .planning import PRICES, PRICES_DATE, PRICES_SOURCE, TYPICAL_MFU, Plan, PlanRow, plan
+
+_LAZY = {
+    "contention": ("ContentionResult", "measure_contention"),
+    "monitor": ("DEFAULT_GRID_INTENSITY", "Monitor", "MonitorUnavailable"),
+    "planning": ("PRICES", "PRICES_DATE", "PRICES_SOURCE", "TYPICAL_MFU", "Plan", "PlanRow", "plan"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [
-    "DEFAULT_GRID_INTENSITY", "GPU", "GPUS", "PRECISION_NAMES", "PRICES", "PRICES_DATE", "PRICES_SOURCE",
-    "TYPICAL_MFU", "ContentionResult", "Monitor", "MonitorUnavailable", "Plan", "PlanRow", "add_gpu",
-    "clock_reasons", "find_gpu", "get_gpu", "measure_contention", "plan", "reset_gpus", "table",
+    "BENIGN_CLOCK_REASONS", "CLOCK_REASONS", "GPU", "GPUS", "PRECISION_NAMES", "add_gpu", "clock_reasons",
+    "find_gpu", "get_gpu", "reset_gpus", "table", *_HOME,
 ]  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    if name in _LAZY:  # the submodule itself, as `gk.hardware.planning`
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME, *_LAZY])

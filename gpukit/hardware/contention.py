@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import distributed, env
 from ..bench import synchronize
 from ..distributed import launch
 from ..optim import make_optimizer
+from ..plots import plot_bars
 from ..precision import get_precision
 from ..report import Table
 from ..step import Loss, TrainStep, split_batch, to_device
@@ -63,8 +65,6 @@ class ContentionResult:
                                  f"medians of {self.rounds} rounds")  # fmt: skip
 
     def plot(self):
-        from ..plots import plot_bars
-
         values = {"0 alone": self.alone[0], "1 alone": self.alone[1], "sum of two alone": self.alone_sum,
                   "0 shared": self.shared[0], "1 shared": self.shared[1], "both shared": self.shared_sum}  # fmt: skip
         return plot_bars(values, ylabel="samples/s", title=f"contention on {self.device}")
@@ -72,8 +72,6 @@ class ContentionResult:
 
 def _worker(make_model, make_batch, steps, rounds, threads, cores, device_name, optimizer, precision):
     """One of the two processes: the same phases in the same order, held in step by barriers."""
-    from .. import distributed
-
     worker = distributed.setup()  # gloo: the barriers only; both processes use `device_name`
     if cores is not None:
         os.sched_setaffinity(0, cores)  # this process only, and it exits at the end
@@ -125,10 +123,9 @@ def measure_contention(
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     if not callable(make_model) or not callable(make_batch):
         raise TypeError("make_model and make_batch must be functions that build the model and a batch.")
-    from ..env import detect
 
     if device is None:
-        device = "cuda" if detect().gpu_count else "cpu"
+        device = "cuda" if env.detect().gpu_count else "cpu"
     device_name = "cuda:0" if torch.device(device).type == "cuda" else "cpu"
     cores = threads = None
     if device_name == "cpu" and hasattr(os, "sched_setaffinity"):

@@ -17,6 +17,8 @@ import difflib
 import re
 from dataclasses import dataclass, field
 
+from ..report import Table
+
 PRECISION_NAMES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -206,6 +208,4 @@ def get_gpu(name: str | GPU) -> GPU:
 
 def table():
     """The GPU table as a gk.Table (one row per GPU)."""
-    from ..report import Table
-
     return Table([gpu.row() for gpu in GPUS.values()], title="GPUs (dense tensor TFLOP/s, from datasheets)")

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..doctor import BENIGN_CLOCK_REASONS, decode_clock_reasons
+from ..plots import plot_monitor
+from .clocks import BENIGN_CLOCK_REASONS, clock_reasons
 
 # Grams of CO₂ per kWh of electricity: the world average for 2023 (Ember, Global Electricity
 # Review 2024: about 480 g/kWh). Your grid differs (e.g. ~30 in Sweden, ~700 in India): set yours.
@@ -33,12 +34,6 @@ RAPL_ROOT = "/sys/class/powercap"
 
 class MonitorUnavailable(RuntimeError):
     """Energy or GPU telemetry was asked for where there is none (no NVML GPU, no readable RAPL)."""
-
-
-def clock_reasons(mask: int) -> list[str]:
-    """NVML's clock-event reasons bit mask in words ("idle", "software power cap", "hardware
-    thermal slowdown", "hardware power brake slowdown", …), lowest bit first."""
-    return decode_clock_reasons(mask)
 
 
 def joules_to_co2_grams(joules: float, grid_intensity: float = DEFAULT_GRID_INTENSITY) -> float:
@@ -283,6 +278,5 @@ class Monitor:
 
     def plot(self):
         """Utilisation, power, temperature and SM clock over time (one panel each that was sampled)."""
-        from ..plots import plot_monitor
 
         return plot_monitor(self.samples)

@@ -26,7 +26,7 @@ from ..optim import make_optimizer
 from ..precision import Precision, get_precision, has_fast_kernels
 from ..report import Table, format_bytes
 from ..step import Loss, TrainStep, forward_backward, split_batch, to_device
-from .gpus import GPU, GPUS, get_gpu
+from .gpus import GPU, GPUS, find_gpu, get_gpu
 
 # Example on-demand prices in US$ per GPU-hour, for one GPU. Prices change often and differ by
 # region, provider and commitment: these are examples to compare GPUs with, not quotes. Pass
@@ -243,8 +243,6 @@ def _largest_batches(
 def _present_machine(device: torch.device, precision: str) -> tuple[str, float, float]:
     """(name, peak TFLOP/s, bandwidth TB/s) of the device here: the datasheet for a known GPU,
     else measured (an n×n matmul; a large copy reads and writes each byte once)."""
-    from .gpus import find_gpu
-
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         row = find_gpu(name)

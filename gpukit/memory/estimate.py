@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..env import resolve_device
+from ..optim import OPTIMIZERS, muon_parameters
 from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
 from .counting import CUDA_BLOCK, LiveTensors
@@ -156,7 +157,6 @@ def optimizer_state_bytes(model: nn.Module, optimizer: str = "adamw") -> int:
     AdamW's for the rest. Counts each parameter once (tied weights) and only those with
     requires_grad. In a job sharded with ZeRO or FSDP2 each rank keeps about this ÷ world size.
     """
-    from ..optim import OPTIMIZERS, muon_parameters
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {', '.join(map(repr, OPTIMIZERS))}.")

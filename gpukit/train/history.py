@@ -11,6 +11,8 @@ from pathlib import Path
 
 from .. import runfile
 from ..files import write_atomic
+from ..plots import plot_history
+from ..report import Table
 
 
 @dataclass
@@ -118,7 +120,6 @@ class History:
         }
 
     def table(self):
-        from ..report import Table
 
         return Table(self.epochs, title=f"{self.precision}, batch {self.batch_size} on {self.device}")
 
@@ -164,7 +165,6 @@ class History:
         return path
 
     def plot(self, **kwargs):
-        from ..plots import plot_history
 
         return plot_history(self, **kwargs)
 

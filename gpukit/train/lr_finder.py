@@ -18,6 +18,7 @@ from torch import nn
 
 from ..env import resolve_device
 from ..optim import check_lr, make_optimizer
+from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
 from .data import as_loader, length, prepare
@@ -45,7 +46,6 @@ class LRFinderResult:
         return self.suggestion * 10
 
     def plot(self, title: str = ""):
-        from ..plots import plot_lr_find
 
         return plot_lr_find(self, title=title)
 

@@ -2,6 +2,8 @@
 #   make lab    set everything up, then open the notebooks in JupyterLab
 #   make test   set everything up, then run unit tests and every notebook (nbval)
 # Both create .venv with the Python found as $(PYTHON) (3.10 or newer).
+#   make gpu-check   on a CUDA GPU: gpu tests, every lesson, every benchmark; results to benchmarks/RESULTS.md
+#   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: README)
 
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +18,10 @@ PYTEST_ARGS ?=
 # this server hook keeps the one the file has (gpukit/jupyter.py), so `git status` stays clean.
 LAB_OPTIONS := --FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info
 
-.PHONY: lab test setup unit notebooks lint clean
+# Empty: use .venv (made by setup). Set to a Python that already has gpukit's dependencies to skip the venv.
+PY ?=
+
+.PHONY: lab test setup unit notebooks lint clean gpu-check
 
 setup: $(STAMP)
 
@@ -38,6 +43,10 @@ unit: setup
 
 notebooks: setup
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks/
+
+# Exits 3 at once, running nothing, where there is no CUDA GPU (gpukit/gpucheck.py).
+gpu-check: $(if $(PY),,setup)
+	$(or $(PY),$(BIN)/python) -m gpukit gpu-check
 
 lint: setup
 	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks

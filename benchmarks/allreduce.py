@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py                          # every GPU (NCCL), or 2 CPU processes (gloo)
     python benchmarks/allreduce.py --nprocs 4 --backend gloo --max-bytes 67108864
+    python benchmarks/allreduce.py --device cuda --json allreduce.json   # says "skipped" with fewer than 2 GPUs
     torchrun --nproc-per-node=8 benchmarks/allreduce.py     # the same measurement, started by torchrun
 
 Bus bandwidth = algorithm bandwidth × 2(n−1)/n: what each link carried in a ring all-reduce, the
@@ -20,6 +21,7 @@ import torch
 
 import gpukit as gk
 from gpukit.distributed import scaling
+from gpukit.report import save_tables
 
 
 def device_name(worker) -> str:
@@ -41,21 +43,37 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=2**10)
     parser.add_argument("--max-bytes", type=int, default=2**24)
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per size (median)")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="cuda: one process per GPU over NCCL (2 GPUs or more); cpu: processes over gloo")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
+    try:
+        backend, skipped = scaling.benchmark_backend(args.device, args.backend, args.nprocs)
+    except ValueError as error:
+        parser.error(str(error))
+    if skipped and "WORLD_SIZE" not in os.environ:
+        print(f"skipped: {skipped}")
+        if args.json:
+            save_tables(args.json, [], skipped=skipped)
+        return
     sizes = [2**k for k in range(args.min_bytes.bit_length() - 1, args.max_bytes.bit_length())]
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one of the ranks
         result = measure(sizes, args.repeats)
         if int(os.environ["RANK"]) != 0:
             return
     else:
-        result = gk.distributed.launch(measure, args.nprocs, sizes, args.repeats, backend=args.backend)[0]
+        result = gk.distributed.launch(measure, args.nprocs, sizes, args.repeats, backend=backend)[0]
     world_size = result["world_size"]
-    print(gk.Table(result["rows"], title=f"all_reduce of float32 over {world_size} ranks ({result['backend']})"))
+    table = gk.Table(result["rows"], title=f"all_reduce of float32 over {world_size} ranks ({result['backend']})")
+    print(table)
     bandwidth, latency = scaling.fit_link(result["rows"], world_size)
     print(
         f"\nring model fit: bandwidth {bandwidth / 1e9:.2f} GB/s per link, latency {latency * 1e6:.1f} µs per ring step"
     )
     print(f"{result['device']}, torch {torch.__version__}, {datetime.date.today()}")
+    if args.json:
+        save_tables(args.json, [table], device=result["device"], world_size=world_size,
+                    link_bandwidth_GBps=bandwidth / 1e9, latency_us_per_ring_step=latency * 1e6)  # fmt: skip
 
 
 if __name__ == "__main__":

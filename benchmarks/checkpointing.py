@@ -24,6 +24,7 @@ import torchvision
 
 import gpukit as gk
 from gpukit.memory.checkpointing import apply_checkpointing
+from gpukit.report import save_tables
 
 STRATEGIES = {"every block": {}, "sqrt(n) segments": {"segments": "sqrt"}}
 MODELS = {
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=None, help="torchvision models' input size")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     device = gk.resolve_device(args.device)
     on_gpu = device.type == "cuda"
@@ -85,7 +87,10 @@ def main() -> None:
                 "step plain (ms)": 1e3 * timings["plain"].median, "step checkpointed (ms)": 1e3 * timings[strategy].median,
                 "time ×": time_ratios[strategy], "≥3× less saved": saved_ratio >= 3, "≤1.35× time": time_ratios[strategy] <= 1.35,
             })  # fmt: skip
-    print(gk.Table(rows, title="activation checkpointing (median step times, plain and both strategies interleaved)"))
+    table = gk.Table(rows, title="activation checkpointing (median step times, plain and both strategies interleaved)")
+    print(table)
+    if args.json:
+        save_tables(args.json, [table], device=name, batch_size=batch_size, image_size=image_size, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 
 import gpukit as gk
 from gpukit.bench import synchronize
+from gpukit.report import save_tables
 
 
 def hand_written_loop(model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device,
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="interleaved timed rounds")
     parser.add_argument("--lr", type=float, default=0.1, help="the CNN's peak learning rate")
     parser.add_argument("--precisions", default="fp32,bf16-mixed")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     device = gk.resolve_device(args.device)
     rows, gpt_rows = [], []
@@ -173,9 +175,12 @@ def main() -> None:
         f"batch {args.gpt_batch_size} × {args.seq_len} tokens; {args.steps} steps per call, {args.rounds} rounds; "
         f"{device} ({name}), {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    print(gk.Table(rows))
+    tables = [gk.Table(rows, title="gpukit.fit against a hand-written loop")]
     if gpt_rows:
-        print(gk.Table(gpt_rows, title="\nGPT: tokens/s and MFU of gpukit.fit"))
+        tables.append(gk.Table(gpt_rows, title="GPT: tokens/s and MFU of gpukit.fit"))
+    print(*tables, sep="\n\n")
+    if args.json:
+        save_tables(args.json, tables, device=name, steps=args.steps, rounds=args.rounds)
 
 
 if __name__ == "__main__":

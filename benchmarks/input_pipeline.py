@@ -9,6 +9,7 @@
 
     python benchmarks/input_pipeline.py                       # 8,192 images of 32×32, decode at 128 px
     python benchmarks/input_pipeline.py --images 50000 --decode-size 256 --workers 8
+    python benchmarks/input_pipeline.py --device cuda --json input.json   # fail unless the CUDA rows run
 
 Published figures to hold these against: batched decode_jpeg(device="cuda") on an A100 ~7,800
 images/s vs ~390/s on one CPU thread (pytorch/vision#8496); FFCV 31,000 images/s from RAM on 96
@@ -31,6 +32,7 @@ import torch
 import gpukit as gk
 from gpukit.data.formats import encode
 from gpukit.data.pagecache import can_evict
+from gpukit.report import save_tables
 
 
 def formats_table(images: int, rounds: int, batch_size: int, folder: Path) -> gk.Table:
@@ -62,12 +64,13 @@ def formats_table(images: int, rounds: int, batch_size: int, folder: Path) -> gk
     return gk.Table(rows, title=f"reading {images} images of 32×32, median of {rounds} interleaved rounds")
 
 
-def decode_table(count: int, size: int, batch_size: int, workers: int) -> gk.Table:
+def decode_table(count: int, size: int, batch_size: int, workers: int, gpu: bool | None) -> gk.Table:
     dataset, _ = gk.data.shapes(count, 8, seed=1)
     large = torch.nn.functional.interpolate(dataset.images.float(), size=size, mode="bilinear")
     jpegs = [encode(image, "jpeg", 90) for image in large.round().clamp(0, 255).to(torch.uint8)]
     print(f"{count} JPEGs of {size}×{size}, {sum(map(len, jpegs)) / count / 1e3:.1f} kB each")
-    return gk.data.decode_table(jpegs, size=size * 3 // 4, batch_size=batch_size, num_workers=workers, repeats=3)
+    return gk.data.decode_table(jpegs, size=size * 3 // 4, batch_size=batch_size, num_workers=workers, repeats=3,
+                                gpu=gpu)  # fmt: skip
 
 
 def main() -> None:
@@ -79,20 +82,29 @@ def main() -> None:
     parser.add_argument("--decode-size", type=int, default=128, help="pixels per side of the decoded JPEGs")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--folder", type=Path, default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="the decoding rows: cuda needs a GPU, cpu skips the CUDA rows (default: cuda where present)")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
+    gpu = None if args.device is None else args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU and there is none here; use --device cpu.")
 
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
           f"CUDA GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
           f"load average {os.getloadavg()[0]:.1f} at the start")  # fmt: skip
     folder = args.folder or Path(tempfile.mkdtemp(prefix="gpukit-input-"))
     try:
-        print(formats_table(args.images, args.rounds, args.batch_size, folder))
-        print()
-        print(decode_table(args.decode_images, args.decode_size, args.batch_size, args.workers))
+        tables = [formats_table(args.images, args.rounds, args.batch_size, folder)]
+        print(tables[-1], end="\n\n")
+        tables.append(decode_table(args.decode_images, args.decode_size, args.batch_size, args.workers, gpu))
+        print(tables[-1])
     finally:
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    if args.json:
+        save_tables(args.json, tables, cpu_cores=os.cpu_count(), images=args.images, rounds=args.rounds)
 
 
 if __name__ == "__main__":

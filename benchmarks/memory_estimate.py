@@ -23,6 +23,7 @@ import torchvision
 
 import gpukit as gk
 from gpukit import memory
+from gpukit.report import save_tables
 
 MODELS = {
     "fast_cnn(64)": (lambda: gk.models.fast_cnn(64), 32),
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--image-size", type=int, default=None, help="torchvision models' input size")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     device = gk.resolve_device(args.device)
     on_gpu = device.type == "cuda"
@@ -80,7 +82,7 @@ def main() -> None:
     )
     print(f"# gk.memory.estimate vs measured peak: {name}, torch {torch.__version__}, {datetime.date.today()}")
     print(f"# optimizer {args.optimizer}; torchvision models at {image_size}×{image_size}\n")
-    errors = []
+    errors, tables = [], []
     for model_name in args.models:
         build, size = MODELS[model_name]
         rows = [
@@ -89,10 +91,14 @@ def main() -> None:
             for batch in batch_sizes
         ]
         errors += [abs(row["error %"]) for row in rows if row["error %"] is not None]
-        print(gk.Table(rows, title=model_name), "\n")
+        tables.append(gk.Table(rows, title=model_name))
+        print(tables[-1], "\n")
     if errors:
         within = sum(error <= 10 for error in errors)
         print(f"largest |error| {max(errors):.2f}%; {within} of {len(errors)} cases within 10% (the target on a GPU)")
+    if args.json:
+        summary = {"largest_error_percent": max(errors), "cases_within_10_percent": within} if errors else {}
+        save_tables(args.json, tables, device=name, optimizer=args.optimizer, **summary)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 
 import gpukit as gk
 from gpukit.optim import OPTIMIZERS, make_optimizer
+from gpukit.report import save_tables
 
 
 def models(device: torch.device) -> dict:
@@ -68,13 +69,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(
         f"{datetime.date.today()} torch {torch.__version__} on {device} ({platform.processor() or platform.machine()})"
     )
+    tables = []
     for label, (build, batch) in models(device).items():
-        print(gk.Table(measure(build, batch, device, args.repeats), title=label))
+        tables.append(gk.Table(measure(build, batch, device, args.repeats), title=label))
+        print(tables[-1])
+    if args.json:
+        save_tables(args.json, tables, device=str(device), repeats=args.repeats)
 
 
 if __name__ == "__main__":

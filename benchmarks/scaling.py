@@ -3,6 +3,7 @@ DDP vs FSDP2 vs a two-stage pipeline, and the cost model's prediction up to 512 
 
     python benchmarks/scaling.py                             # every GPU (NCCL), or 2 CPU processes
     python benchmarks/scaling.py --width 64 --batch-size 256 --interconnect "400 Gb/s InfiniBand"
+    python benchmarks/scaling.py --device cuda --json scaling.json   # says "skipped" with fewer than 2 GPUs
     torchrun --nproc-per-node=8 benchmarks/scaling.py        # the same, started by torchrun
 
 Weak scaling: every worker keeps its batch, so n workers do n times the work per step; efficiency
@@ -22,6 +23,7 @@ import torch
 
 import gpukit as gk
 from gpukit.distributed import costmodel, scaling
+from gpukit.report import save_tables
 
 
 def device_name(worker) -> str:
@@ -64,20 +66,34 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="images per worker and step (default: 64)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     parser.add_argument("--interconnect", default="100 Gb/s InfiniBand", choices=sorted(costmodel.INTERCONNECTS))
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="cuda: one process per GPU over NCCL (2 GPUs or more); cpu: processes over gloo")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
+    try:
+        backend, skipped = scaling.benchmark_backend(args.device, args.backend, args.nprocs)
+    except ValueError as error:
+        parser.error(str(error))
+    if skipped and "WORLD_SIZE" not in os.environ:
+        print(f"skipped: {skipped}")
+        if args.json:
+            save_tables(args.json, [], skipped=skipped)
+        return
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one of the ranks
         result = measure(args.width, args.batch_size, args.steps)
         if int(os.environ["RANK"]) != 0:
             return
     else:
-        result = gk.distributed.launch(
-            measure, args.nprocs, args.width, args.batch_size, args.steps, backend=args.backend
-        )[0]
+        ranks = gk.distributed.launch(measure, args.nprocs, args.width, args.batch_size, args.steps, backend=backend)
+        result = ranks[0]
     count, backend = result["world_size"], result["backend"]
     title = f"fast CNN width {args.width}, batch {args.batch_size} per worker, {backend}"
-    print(gk.Table(result["workers"], title=f"weak scaling: {title}"), end="\n\n")
-    print(gk.Table(result["variants"], title=f"DDP variants on {count} workers"), end="\n\n")
-    print(gk.Table(result["parallelism"], title=f"DDP vs FSDP2 vs pipeline on {count} workers"), end="\n\n")
+    tables = [
+        gk.Table(result["workers"], title=f"weak scaling: {title}"),
+        gk.Table(result["variants"], title=f"DDP variants on {count} workers"),
+        gk.Table(result["parallelism"], title=f"DDP vs FSDP2 vs pipeline on {count} workers"),
+    ]
+    print(*tables, sep="\n\n", end="\n\n")
 
     compute_time = result["workers"][0]["step_time"]
     bandwidth, latency = scaling.fit_link(result["allreduce"], count)
@@ -89,12 +105,15 @@ def main() -> None:
         {"gpus": a["gpus"], f"this {backend} link": a["efficiency"], args.interconnect: b["efficiency"]}
         for a, b in zip(here, there)
     ]
-    print(
+    tables.append(
         gk.Table(rows, title=f"predicted efficiency (compute {compute_time * 1e3:.1f} ms/step, "
                  f"gradients {gk.format_bytes(result['gradient_bytes'])}; link here {bandwidth / 1e9:.2f} GB/s, "
                  f"{latency * 1e6:.0f} µs)")
     )  # fmt: skip
+    print(tables[-1])
     print(f"\n{result['device']}, torch {torch.__version__}, {datetime.date.today()}")
+    if args.json:
+        save_tables(args.json, tables, device=result["device"], world_size=count)
 
 
 if __name__ == "__main__":

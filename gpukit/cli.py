@@ -3,6 +3,8 @@
     gpukit doctor    print the environment report and its warnings
     gpukit train     train headless (a CNN on images, or a small GPT on text) and print the
                      held-out result and the throughput
+    gpukit gpu-check run the gpu tests, every lesson (gpu profile) and every benchmark on a CUDA GPU;
+                     append the results to benchmarks/RESULTS.md and print a summary (gpukit/gpucheck.py)
     gpukit nbval-sanitize-path
                      print the path of the sanitize file for strict nbval (docs/nbval.md)
 
@@ -16,8 +18,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from . import data, distributed, models, nbval
+from . import data, distributed, gpucheck, models, nbval
 from .doctor import collect
 from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
@@ -34,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpukit", description="Learn and measure fast neural-network training with PyTorch."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{doctor,train,nbval-sanitize-path}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{doctor,train,gpu-check,nbval-sanitize-path}"
+    )
 
     doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
     doctor.set_defaults(handler=doctor_main)
@@ -75,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
     train.set_defaults(handler=train_main)
 
+    _add_gpu_check(commands)
+
     sanitize = commands.add_parser(
         "nbval-sanitize-path",
         help="print the path of gpukit's sanitize file for strict nbval (--nbval-sanitize-with)",
@@ -83,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sanitize.set_defaults(handler=lambda args: print(nbval.sanitize_path()))
     return parser
+
+
+def _add_gpu_check(commands) -> None:
+    """The `gpu-check` command (gpukit/gpucheck.py), whose handler returns the exit code."""
+    check = commands.add_parser(
+        "gpu-check",
+        help="verify gpukit on a CUDA GPU: gpu tests, every lesson, every benchmark; results to benchmarks/RESULTS.md",
+        description="Run the tests marked gpu, every lesson under nbval in the gpu profile and every benchmark with "
+        "--device cuda, each under its own time limit (28 min in all at most); append a dated section to "
+        f"benchmarks/RESULTS.md and print a summary. Exit code 0, {gpucheck.EXIT_FAILED} if something failed, "
+        f"{gpucheck.EXIT_NO_GPU} where there is no CUDA GPU (then nothing runs).",
+    )
+    check.add_argument("--steps", default=",".join(gpucheck.STEPS),
+                       help=f"comma-separated, of {','.join(gpucheck.STEPS)} (default: all)")  # fmt: skip
+    check.add_argument("--results", type=Path, help="the Markdown file to append to (default: benchmarks/RESULTS.md)")
+    check.add_argument("--log-dir", type=Path, help="default: runs/gpu-check/DATE-TIME in the checkout")
+    check.set_defaults(handler=lambda args: gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir))
 
 
 def doctor_main(args: argparse.Namespace) -> None:
@@ -211,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        args.handler(args)
+        code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
     except (ValueError, FileNotFoundError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -223,4 +247,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         distributed.cleanup()  # leave the process group, if `gpukit train` joined one
-    return 0
+    return code if isinstance(code, int) else 0

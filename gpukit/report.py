@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def format_value(value) -> str:
@@ -72,3 +74,12 @@ class Table:
         )
         caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
         return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def save_tables(path: str | Path, tables: Sequence[Table], **figures) -> None:
+    """Write `tables` (title, columns, rows) and other `figures` (plain values) to `path` as one JSON object:
+    {"tables": [{"title", "columns", "rows"}, …], **figures}. The benchmarks' `--json PATH` writes this, and
+    `python -m gpukit gpu-check` reads it; a benchmark that could not run here writes no tables and
+    `skipped="why"`. NaN and infinity are written as Python's json module does (NaN, Infinity)."""
+    content = {"tables": [{"title": t.title, "columns": t.columns, "rows": t.rows} for t in tables], **figures}
+    Path(path).write_text(json.dumps(content, indent=1, default=str) + "\n")

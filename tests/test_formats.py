@@ -150,6 +150,8 @@ def test_decode_paths_agree_and_the_table_skips_gpu_rows_honestly(dataset):
         with pytest.raises(RuntimeError, match="no CUDA GPU is available here; decode on the CPU"):
             gk.data.decode_batch(encoded, "cuda")
     assert all(row["images_per_second"] > 0 for row in table.rows if row["device"] == "cpu")
+    cpu_only = gk.data.decode_table(encoded, size=24, batch_size=4, num_workers=0, repeats=1, gpu=False)
+    assert [row["note"] for row in cpu_only.rows if row["device"] == "cuda"] == ["skipped: gpu=False"] * 2
 
 
 def test_photo_jpegs_are_upscaled_grainy_and_reproducible(dataset):

@@ -30,7 +30,7 @@ LAYERS = [
         "gpukit.nbval",
         "gpukit.jupyter",
     },
-    {"gpukit.data", "gpukit.models", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.doctor"},
+    {"gpukit.data", "gpukit.models", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.doctor", "gpukit.gpucheck"},
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor"},
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},

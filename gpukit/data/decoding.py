@@ -135,16 +135,20 @@ def _sync(device: torch.device) -> None:
 
 
 def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, num_workers: int = 2,
-                 repeats: int = 2) -> Table:  # fmt: skip
+                 repeats: int = 2, gpu: bool | None = None) -> Table:  # fmt: skip
     """images/s of every decode and augment path on the same JPEG bytes (see the module docstring).
 
     Each row is the best of `repeats` passes over `encoded`; CPU rows state the processes and threads
-    they used. Rows that need a CUDA GPU say "skipped: no GPU" where there is none.
+    they used. Rows that need a CUDA GPU say "skipped: no GPU" where there is none. gpu: None measures
+    the CUDA rows where a CUDA GPU is present; False skips them ("skipped: gpu=False"); True requires them.
     """
     if not encoded:
         raise ValueError("no JPEG bytes to decode: pass a non-empty list (e.g. from gk.data.formats.encode).")
+    if gpu and not torch.cuda.is_available():
+        raise ValueError("decode_table(gpu=True) needs a CUDA GPU and there is none here; pass gpu=None or False.")
     threads = torch.get_num_threads()
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if gpu is None else gpu
+    skipped = "skipped: no GPU" if gpu is None else "skipped: gpu=False"
     gpu = torch.device("cuda") if cuda else None
     count = len(encoded)
 
@@ -178,7 +182,7 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
                      "images_per_second": best(on_gpu)})  # fmt: skip
     else:
         rows.append({"path": "decode_jpeg, batched", "device": "cuda", "cpu_cores_used": "-",
-                     "images_per_second": None, "note": "skipped: no GPU"})  # fmt: skip
+                     "images_per_second": None, "note": skipped})  # fmt: skip
 
     workers = min(num_workers, os.cpu_count() or 1)
     loader = DataLoader(EncodedImages(encoded, size), batch_size=batch_size, num_workers=workers,
@@ -202,7 +206,7 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
                      "cpu_cores_used": "1 process", "images_per_second": best(augment_on_gpu)})  # fmt: skip
     else:
         rows.append({"path": "decode batched + transforms.v2 on the batch", "device": "cuda", "cpu_cores_used": "-",
-                     "images_per_second": None, "note": "skipped: no GPU"})  # fmt: skip
+                     "images_per_second": None, "note": skipped})  # fmt: skip
     for row in rows:
         row.setdefault("note", "")
     shape = decode_batch(encoded[:1])[0].shape

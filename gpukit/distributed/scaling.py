@@ -6,6 +6,8 @@ each function, as with any collective):
 - `ddp_variants`: the same DDP step with other bucket sizes, gradient compression, or no all-reduce;
 - `compare_parallelism`: DDP vs FSDP2 vs a two-stage pipeline: state bytes per rank and step time.
 
+`benchmark_backend` (called in the parent, before launching) turns a benchmark's --device into a backend.
+
 Timings are the slowest rank's median (a step is as slow as its slowest rank).
 """
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..bench import compare, timeit
+from ..env import detect
 from ..precision import get_precision
 from ..step import TrainStep
 from . import parallel
@@ -35,6 +38,29 @@ def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
     the hardware's link speed; algorithm bandwidth is simply S / time.
     """
     return algorithm_bandwidth * 2 * (world_size - 1) / world_size
+
+
+def benchmark_backend(
+    device: str | None, backend: str | None = None, nprocs: int | None = None
+) -> tuple[str, str | None]:
+    """(backend, why the benchmark cannot run here or None) for a measurement across ranks on `device`.
+
+    device "cuda": NCCL, one process per GPU; "cpu": gloo processes; None: `backend`, else NCCL where there are
+    GPUs. Every measurement here compares ranks, so fewer than 2 (one GPU, or nprocs=1) is a reason to skip.
+    Asks NVML (gk.detect), so the parent process never initialises CUDA before it launches the workers.
+    """
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported here; use 'cuda' (NCCL) or 'cpu' (gloo).")
+    gpus = detect().gpu_count
+    default = backend or ("nccl" if gpus else "gloo")
+    wanted = {"cuda": "nccl", "cpu": "gloo", None: default}[device]
+    if backend not in (None, wanted):
+        raise ValueError(f"device {device} runs over {wanted}, not backend {backend}; leave one of the two out.")
+    if nprocs is not None and nprocs < 2:
+        return wanted, f"needs 2 or more ranks, and nprocs={nprocs}"
+    if nprocs is None and wanted == "nccl" and gpus < 2:
+        return wanted, f"needs 2 or more ranks, one per CUDA GPU, and this machine has {gpus} GPU(s)"
+    return wanted, None
 
 
 def _slowest(seconds: float, group: dist.ProcessGroup | None = None) -> float:

@@ -1,7 +1,7 @@
 """What does activation checkpointing save, and what does it cost, on deep CNNs?
 
 For each model: the bytes saved for backward and the peak of one training step (gk.memory.breakdown)
-without and with gk.checkpointing.apply_checkpointing, for two strategies (every block its own
+without and with gk.memory.apply_activation_checkpointing, for two strategies (every block its own
 region; about sqrt(n) regions of consecutive blocks), and the step times, timed interleaved
 (plain, every block, sqrt, plain, …) so that drift hits all alike; the ratios are of medians.
 
@@ -23,7 +23,7 @@ import torch
 import torchvision
 
 import gpukit as gk
-from gpukit.memory.checkpointing import apply_checkpointing
+from gpukit.memory.activation_checkpointing import apply_activation_checkpointing
 from gpukit.report import save_tables
 
 STRATEGIES = {"every block": {}, "sqrt(n) segments": {"segments": "sqrt"}}
@@ -71,7 +71,7 @@ def main() -> None:
         models, plans = {"plain": plain}, {}
         for strategy, options in STRATEGIES.items():
             models[strategy] = copy.deepcopy(plain)
-            plans[strategy] = apply_checkpointing(models[strategy], **options)
+            plans[strategy] = apply_activation_checkpointing(models[strategy], **options)
         parts = {name: gk.memory.breakdown(model, images, labels, device=device) for name, model in models.items()}
         images, labels = images.to(device), labels.to(device)
         steps = {name: step_function(model.to(device), images, labels) for name, model in models.items()}

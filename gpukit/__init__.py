@@ -4,24 +4,22 @@ Importing gpukit never initialises CUDA, so a notebook can still launch worker p
 that use the GPU afterwards.
 """
 
-import sys
-
 from . import bench, data, distributed, hardware, memory, models, optim, plots, step, train
-from .doctor import doctor
+from .checkup import doctor
+from .deprecation import renamed
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
-from .memory import checkpointing
 from .precision import PRECISIONS, Precision, get_precision
 from .report import Table, format_bytes
 from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit, lr_find
-
-# `import gpukit.checkpointing` keeps working now that it lives in gpukit.memory (the same module object).
-sys.modules[f"{__name__}.checkpointing"] = checkpointing
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRECISIONS", "PROFILES", "CheckpointError", "Env", "History", "NonFiniteLossError", "Precision", "Profile",
-    "Table", "bench", "checkpointing", "data", "detect", "distributed", "doctor", "evaluate", "fit",
-    "format_bytes", "get_precision", "hardware", "lr_find", "memory", "models", "optim", "plots", "resolve_device",
+    "Table", "bench", "data", "detect", "distributed", "doctor", "evaluate", "fit", "format_bytes",
+    "get_precision", "hardware", "lr_find", "memory", "models", "optim", "plots", "resolve_device",
     "seed_everything", "step", "train",
 ]  # fmt: skip
+
+# gk.checkpointing was activation checkpointing; "checkpoint" alone now means saved training state.
+__getattr__ = renamed(__name__, {"checkpointing": "gpukit.memory:activation_checkpointing"})

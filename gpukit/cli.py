@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import data, distributed, gpucheck, models, nbval
-from .doctor import collect
+from .checkup import collect
 from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
 from .train import CheckpointError, History, NonFiniteLossError, fit

@@ -177,7 +177,7 @@ class GPT(nn.Module):
     """A decoder-only transformer (GPT-2's layout, small): token ids (B, T) → next-token logits (B, T, vocab_size).
 
     token embedding (B, T, width) [+ learned position embedding] → `depth` pre-norm blocks in
-    `self.blocks` (an nn.ModuleList, so gk.checkpointing finds them) → final LayerNorm → head
+    `self.blocks` (an nn.ModuleList, so gk.memory.find_blocks finds them) → final LayerNorm → head
     (B, T, vocab_size). Logits at position t depend on tokens 0…t only.
 
     The head shares its weight with the token embedding (weight tying): it saves vocab_size ×

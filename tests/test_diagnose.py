@@ -147,7 +147,7 @@ def test_trace_steps_draws_the_host_phases_and_exports_a_chrome_trace(device, tm
     assert trace.steps == 3 and len(trace.rows["data wait"]) == 3 and len(trace.rows["step"]) == 3
     assert trace.total("data wait") >= 3 * 4 * 2 * 0.9  # 4 images × 2 ms slept per batch, in ms
     assert (tmp_path / "trace.json").stat().st_size > 0 and trace.hidden_copy_fraction() is None
-    figure = gk.data.plot_timeline(trace)
+    figure = gk.data.plot_trace(trace)
     assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == ["data wait (host)", "step (host)"]
 
 

@@ -11,7 +11,8 @@ import torch
 
 import gpukit
 from gpukit import env
-from gpukit.doctor import GPUProcess, GPUStatus, Report, collect, decode_clock_reasons, warnings
+from gpukit.checkup import GPUProcess, GPUStatus, Report, collect, warnings
+from gpukit.hardware.clocks import clock_reasons
 
 GiB = 2**30
 
@@ -287,9 +288,9 @@ def test_every_problem_at_once():
     assert str(report).count("\n- ") == 5
 
 
-def test_decode_clock_reasons():
-    assert decode_clock_reasons(0) == []
-    assert decode_clock_reasons(0x1 | 0x40 | 0x1000) == ["idle", "hardware thermal slowdown", "unknown reason 0x1000"]
+def test_clock_reasons():
+    assert clock_reasons(0) == []
+    assert clock_reasons(0x1 | 0x40 | 0x1000) == ["idle", "hardware thermal slowdown", "unknown reason 0x1000"]
 
 
 def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypatch, forbid_cuda):

@@ -30,7 +30,15 @@ LAYERS = [
         "gpukit.nbval",
         "gpukit.jupyter",
     },
-    {"gpukit.data", "gpukit.models", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.doctor", "gpukit.gpucheck"},
+    {
+        "gpukit.data",
+        "gpukit.models",
+        "gpukit.step",
+        "gpukit.optim",
+        "gpukit.plots",
+        "gpukit.checkup",
+        "gpukit.gpucheck",
+    },
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor"},
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
@@ -147,3 +155,42 @@ def test_importing_gpukit_leaves_torchvision_for_first_use():
     code = "import sys, torch, gpukit; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", loaded
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("gpukit.checkpointing", "gpukit.memory.activation_checkpointing"),
+        ("gpukit.memory.checkpointing", "gpukit.memory.activation_checkpointing"),
+        ("gpukit.memory.activation_checkpointing.apply_checkpointing",
+         "gpukit.memory.activation_checkpointing.apply_activation_checkpointing"),
+        ("gpukit.memory.table", "gpukit.memory.parts.breakdown_table"),
+        ("gpukit.memory.plot_timeline", "gpukit.memory.parts.plot_memory_timeline"),
+        ("gpukit.data.plot_timeline", "gpukit.data.timeline.plot_trace"),
+        ("gpukit.hardware.table", "gpukit.hardware.gpus.gpu_table"),
+        ("gpukit.checkup.decode_clock_reasons", "gpukit.hardware.clocks.clock_reasons"),
+    ],
+)  # fmt: skip
+def test_old_public_names_still_work_for_a_release_and_name_the_new_one(old, new):
+    import importlib
+
+    module, _, name = old.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        found = getattr(importlib.import_module(module), name)
+    new_module, _, new_name = new.rpartition(".")
+    assert found is getattr(importlib.import_module(new_module), new_name)
+
+
+def test_no_module_is_shadowed_by_a_function_of_its_name():
+    """`gpukit.doctor` was both a module and the function it exported; now a name means one thing."""
+    import importlib
+    import types
+
+    shadowed = []
+    for name in MODULES:
+        package, _, leaf = name.rpartition(".")
+        if package and name != "gpukit":
+            value = getattr(importlib.import_module(package), leaf, None)
+            if value is not None and not isinstance(value, types.ModuleType):
+                shadowed.append(f"{name} is also {package}.{leaf}, a {type(value).__name__}")
+    assert not shadowed, shadowed

@@ -159,8 +159,8 @@ def test_plots_and_tables():
         "adamw": memory.estimate(model, images(8), optimizer="adamw", device="cpu"),
     }
     assert len(memory.plot_breakdowns(parts).axes) == 1
-    assert len(memory.plot_timeline(parts["sgd"]).axes) == 1
-    assert len(memory.table(parts)) == 2 and "peak (MiB)" in memory.table(parts).columns
+    assert len(memory.plot_memory_timeline(parts["sgd"]).axes) == 1
+    assert len(memory.breakdown_table(parts)) == 2 and "peak (MiB)" in memory.breakdown_table(parts).columns
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def test_checkpointing_each_block_of_a_transformer_cuts_saved_activations():
     tokens = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     plain = memory.breakdown(tiny_gpt(), (tokens, tokens), device="cpu")
     model = tiny_gpt()
-    plan = gk.checkpointing.apply_checkpointing(model)
+    plan = gk.memory.apply_activation_checkpointing(model)
     assert plan.regions == [["blocks.0"], ["blocks.1"]]
     checkpointed = memory.breakdown(model, (tokens, tokens), device="cpu")
     assert 2 * checkpointed.activations <= plain.activations and checkpointed.total < plain.total
@@ -457,7 +457,7 @@ def test_snapshot_timeline_from_trace_events():
         {"action": "free_completed", "size": 1024},
     ]]}, device=0, baseline=100)  # fmt: skip
     assert snapshot.timeline() == [1124, 1636, 612]
-    assert len(memory.plot_timeline(snapshot).axes) == 1
+    assert len(memory.plot_memory_timeline(snapshot).axes) == 1
 
 
 @no_cuda

@@ -235,9 +235,9 @@ def saved_activation_bytes(model, tokens, targets):
 def test_gpt_blocks_are_checkpointed(positions):
     torch.manual_seed(0)
     model = tiny_gpt(positions, depth=4)
-    assert [name for name, *_ in gk.checkpointing.find_blocks(model)] == [f"blocks.{i}" for i in range(4)]
+    assert [name for name, *_ in gk.memory.find_blocks(model)] == [f"blocks.{i}" for i in range(4)]
     checkpointed = copy.deepcopy(model)
-    plan = gk.checkpointing.apply_checkpointing(checkpointed)
+    plan = gk.memory.apply_activation_checkpointing(checkpointed)
     assert plan.regions == [[f"blocks.{i}"] for i in range(4)]
 
     tokens, targets = random_tokens(4, 16, seed=1), random_tokens(4, 16, seed=2)

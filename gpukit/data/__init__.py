@@ -8,26 +8,29 @@ formats.py   the same images as files, as one uint8 array (memory-mapped); read 
 shards.py    `write_shards()`, `ShardLoader`: WebDataset tar shards streamed through DataLoader workers
 decoding.py  JPEG decoding with PIL, torchvision on the CPU or the GPU, augmentation in workers or batched
 prefetch.py  `prefetch()`: copy the next batch to the GPU on a side stream while the step runs
-timeline.py  `trace_steps()`: a torch.profiler trace of the pipeline, drawn by `plot_timeline()`
+timeline.py  `trace_steps()`: a torch.profiler trace of the pipeline, drawn by `plot_trace()`
 pagecache.py evict files from the page cache and measure how much of them it holds
 bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try; `sweep()` over DataLoader workers
 """
 
+from ..deprecation import renamed
 from .bottleneck import Diagnosis, SlowDataset, diagnose, plot_sweep, sweep
 from .decoding import decode_batch, decode_table
 from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
 from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, ImageDataset, cifar10, shapes
 from .loaders import DeviceLoader, dataloader, random_crop_flip
-from .prefetch import CUDAPrefetcher, prefetch
+from .prefetching import CUDAPrefetcher, prefetch
 from .shards import ShardError, ShardLoader, write_shards
-from .text import VOCAB_SIZE, TextLoader, TokenDataset, decode, encode, text
-from .timeline import Trace, plot_timeline, trace_steps
+from .timeline import Trace, plot_trace, trace_steps
+from .tokens import VOCAB_SIZE, TextLoader, TokenDataset, decode, encode, text
 
 __all__ = [
     "ArrayImages", "CIFAR10_CLASSES", "CIFAR10_URL", "CUDAPrefetcher", "DeviceLoader", "Diagnosis", "FileImages",
     "ImageDataset", "SHAPE_CLASSES", "ShardError", "ShardLoader", "SlowDataset", "TextLoader", "TokenDataset",
     "Trace", "VOCAB_SIZE", "cifar10", "dataloader", "decode", "decode_batch", "decode_table", "diagnose", "encode",
-    "image_folder", "plot_sweep", "plot_timeline", "prefetch", "random_crop_flip", "read_throughput", "shapes",
+    "image_folder", "plot_sweep", "plot_trace", "prefetch", "random_crop_flip", "read_throughput", "shapes",
     "sweep", "text", "trace_steps", "write_array", "write_files", "write_shards",
 ]  # fmt: skip
+
+__getattr__ = renamed(__name__, {"plot_timeline": "gpukit.data.timeline:plot_trace"})

@@ -27,7 +27,7 @@ from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..report import Table
 from ..step import Batch, Loss, TrainStep, split_batch, to_device
-from .prefetch import prefetch
+from .prefetching import prefetch
 
 
 def check_workers(num_workers: int, prefetch_factor: int | None) -> None:

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..env import resolve_device
 from ..precision import get_precision
 from ..step import Loss, TrainStep, split_batch, to_device
-from .prefetch import prefetch
+from .prefetching import prefetch
 
 HOST_PHASES = ("data wait", "step")
 
@@ -145,7 +145,7 @@ def _intervals(events, steps: int, device: str, path: str | None) -> Trace:
     return Trace(rows, steps, device, path)
 
 
-def plot_timeline(trace: Trace, title: str | None = None):
+def plot_trace(trace: Trace, title: str | None = None):
     """One row per phase (host: data wait, step; device: copy, compute), bars where it was busy."""
     import matplotlib.pyplot as plt
 

@@ -28,7 +28,7 @@ over ranks, shows progress and writes checkpoints on rank 0 only.
 """
 
 from . import costmodel, pipeline, scaling, zero
-from .launch import WorkerError, launch
+from .launcher import WorkerError, launch
 from .parallel import (
     COMPRESSIONS,
     DEFAULT_TIMEOUT_SECONDS,

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import env
 from ..data import DeviceLoader, ImageDataset, TextLoader, TokenDataset
-from ..memory.checkpointing import find_blocks
+from ..memory.activation_checkpointing import find_blocks
 
 DEFAULT_TIMEOUT_SECONDS = 300.0  # a rank waiting longer than this on a collective raises instead of hanging
 COMPRESSIONS = ("fp16", "bf16")  # DDP gradient compression hooks: all-reduce half the bytes
@@ -339,7 +339,7 @@ def sharded_data_parallel(model: nn.Module, *, reshard_after_forward: bool = Tru
     are all-gathered; after backward, gradients are reduce-scattered so each rank keeps the
     gradient of its own shard, and the optimizer updates only that shard. Each block (the
     children of the model's outermost nn.Sequential or nn.ModuleList: a transformer's layers,
-    a CNN's stages; see gk.checkpointing.find_blocks) becomes one unit, gathered and freed on
+    a CNN's stages; see gk.memory.find_blocks) becomes one unit, gathered and freed on
     its own; the root holds the rest, tied weights included. Build the optimizer after this
     call: the parameters become DTensors. Runs on CPU over gloo too.
     """

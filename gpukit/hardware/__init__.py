@@ -15,8 +15,9 @@ lower layers (gk.bench, the doctor) can read the tables without importing what b
 
 import importlib
 
+from ..deprecation import renamed
 from .clocks import BENIGN_CLOCK_REASONS, CLOCK_REASONS, clock_reasons
-from .gpus import GPU, GPUS, PRECISION_NAMES, add_gpu, find_gpu, get_gpu, reset_gpus, table
+from .gpus import GPU, GPUS, PRECISION_NAMES, add_gpu, find_gpu, get_gpu, gpu_table, reset_gpus
 
 _LAZY = {
     "contention": ("ContentionResult", "measure_contention"),
@@ -27,7 +28,7 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [
     "BENIGN_CLOCK_REASONS", "CLOCK_REASONS", "GPU", "GPUS", "PRECISION_NAMES", "add_gpu", "clock_reasons",
-    "find_gpu", "get_gpu", "reset_gpus", "table", *_HOME,
+    "find_gpu", "get_gpu", "gpu_table", "reset_gpus", *_HOME,
 ]  # fmt: skip
 
 
@@ -36,7 +37,10 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
     if name in _LAZY:  # the submodule itself, as `gk.hardware.planning`
         return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _renamed(name)
+
+
+_renamed = renamed(__name__, {"table": "gpukit.hardware.gpus:gpu_table"})
 
 
 def __dir__() -> list[str]:

@@ -206,6 +206,6 @@ def get_gpu(name: str | GPU) -> GPU:
     )
 
 
-def table():
+def gpu_table():
     """The GPU table as a gk.Table (one row per GPU)."""
     return Table([gpu.row() for gpu in GPUS.values()], title="GPUs (dense tensor TFLOP/s, from datasheets)")

@@ -18,10 +18,10 @@ from torch import nn
 
 from ..bench import compare, flops_per_step, matmul_tflops
 from ..env import resolve_device
-from ..memory.estimate import precision_name, predict, resized
-from ..memory.measure import check_model, sample_batch
+from ..memory.measuring import check_model, sample_batch
 from ..memory.parts import MemoryBreakdown
 from ..memory.plan import repeated
+from ..memory.prediction import precision_name, predict, resized
 from ..optim import make_optimizer
 from ..precision import Precision, get_precision, has_fast_kernels
 from ..report import Table, format_bytes
@@ -361,7 +361,7 @@ def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, preci
     fixes = [f"a smaller batch ({biggest.largest_batch} fits the {biggest.gpu})" if biggest.largest_batch else None,
              "precision='bf16-mixed'" if precision in ("fp32", "tf32") else None,
              "optimizer='sgd' (less optimizer state)" if optimizer != "sgd" else None,
-             "activation checkpointing (gk.checkpointing)", "gradient accumulation (fit(accumulate=k))",
+             "activation checkpointing (gk.memory.apply_activation_checkpointing)", "gradient accumulation (fit(accumulate=k))",
              "sharding over several GPUs (FSDP, lesson 04)"]  # fmt: skip
     return (
         f"a step at batch {size} needs {format_bytes(memory.total)}, but the largest GPU in the table, the "

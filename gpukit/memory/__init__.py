@@ -1,38 +1,57 @@
 """Training memory: measure it, break it down, predict it, find the batch that fits, and fix it.
 
-measure()          peak memory of a block of code (measure.py).
+measure()          peak memory of a block of code (measuring.py).
 breakdown()        one training step measured: parameters, gradients, optimizer state, saved
-                   activations, the rest, the peak (measure.py).
-estimate()         the same fields predicted with fake tensors: nothing runs on the device (estimate.py).
-optimizer_state_bytes()  the optimizer state each optimizer name keeps, from the parameters (estimate.py).
+                   activations, the rest, the peak (measuring.py).
+estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py).
+optimizer_state_bytes()  the optimizer state each optimizer name keeps, from the parameters (prediction.py).
 max_batch_size()   the largest batch under a memory budget; accumulation keeps a global batch (plan.py).
-MemoryBreakdown, table(), plot_breakdowns(), plot_timeline(): the parts and their figures (parts.py).
+MemoryBreakdown, breakdown_table(), plot_breakdowns(), plot_memory_timeline(): the parts and their
+figures (parts.py).
 The CUDA allocator: out-of-memory help, free_memory, limit_gpu_memory, expandable_segments,
-record_snapshot (allocator.py); activation checkpointing (checkpointing.py).
+record_snapshot (allocator.py).
+apply_activation_checkpointing(): recompute each block's activations in backward instead of keeping
+them (activation_checkpointing.py). "Checkpoint" alone, in gpukit, means saved training state.
 
 Every function takes an example batch of any form fit accepts (see gpukit.step), or a tensor of
 inputs with optional labels. Every byte count is of tensor storages, each counted once.
 """
 
-from . import checkpointing
+from ..deprecation import renamed
+from . import activation_checkpointing
+from .activation_checkpointing import (
+    ActivationCheckpointingPlan,
+    apply_activation_checkpointing,
+    find_blocks,
+    has_activation_checkpointing,
+    remove_activation_checkpointing,
+)
 from .allocator import (
     Snapshot,
     TrainingOutOfMemoryError,
     expandable_segments,
     free_memory,
     limit_gpu_memory,
-    out_of_memory_error,
     record_snapshot,
-    watch_out_of_memory,
 )
-from .estimate import CUDA_BLOCK, OPTIMIZER_STATE, estimate, optimizer_state_bytes
-from .measure import Measurement, breakdown, measure
-from .parts import MemoryBreakdown, plot_breakdowns, plot_timeline, table
+from .measuring import Measurement, breakdown, measure
+from .parts import MemoryBreakdown, breakdown_table, plot_breakdowns, plot_memory_timeline
 from .plan import BatchSizePlan, max_batch_size
+from .prediction import OPTIMIZER_STATE, estimate, optimizer_state_bytes
 
 __all__ = [
-    "CUDA_BLOCK", "OPTIMIZER_STATE", "BatchSizePlan", "Measurement", "MemoryBreakdown", "Snapshot", "TrainingOutOfMemoryError",
-    "breakdown", "checkpointing", "estimate", "expandable_segments", "free_memory", "limit_gpu_memory",
-    "max_batch_size", "measure", "optimizer_state_bytes", "out_of_memory_error", "plot_breakdowns", "plot_timeline", "record_snapshot",
-    "table", "watch_out_of_memory",
+    "OPTIMIZER_STATE", "BatchSizePlan", "ActivationCheckpointingPlan", "Measurement", "MemoryBreakdown", "Snapshot",
+    "TrainingOutOfMemoryError", "activation_checkpointing", "apply_activation_checkpointing", "breakdown",
+    "breakdown_table", "estimate", "expandable_segments", "find_blocks", "free_memory",
+    "has_activation_checkpointing", "limit_gpu_memory", "max_batch_size", "measure", "optimizer_state_bytes",
+    "plot_breakdowns", "plot_memory_timeline", "record_snapshot", "remove_activation_checkpointing",
 ]  # fmt: skip
+
+__getattr__ = renamed(__name__, {
+    "checkpointing": "gpukit.memory:activation_checkpointing",
+    "table": "gpukit.memory.parts:breakdown_table",
+    "plot_timeline": "gpukit.memory.parts:plot_memory_timeline",
+    "CUDA_BLOCK": "gpukit.memory.counting:CUDA_BLOCK",
+    "out_of_memory_error": "gpukit.memory.allocator:out_of_memory_error",
+    "watch_out_of_memory": "gpukit.memory.allocator:watch_out_of_memory",
+})  # fmt: skip

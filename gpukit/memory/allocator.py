@@ -96,7 +96,7 @@ def _fixes(phase: str, batch_size: int, accumulate: int) -> str:
     )
     return (
         f"try {batch}precision='bf16-mixed' (about half the activations), "
-        "activation checkpointing (gk.checkpointing.apply_checkpointing(model)), or "
+        "activation checkpointing (gk.memory.apply_activation_checkpointing(model)), or "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True if reserved is far above allocated (fragmentation)"
     )
 
@@ -248,7 +248,7 @@ def record_snapshot(device: str | torch.device | None = None, max_entries: int =
     """Record every CUDA allocation and free inside the block (with Python stacks) into a Snapshot.
 
     torch.cuda.memory._record_memory_history is switched on for the block and off after it.
-    Draw it with plot_timeline(snapshot), or dump it for https://pytorch.org/memory_viz.
+    Draw it with gk.memory.plot_memory_timeline(snapshot), or dump it for https://pytorch.org/memory_viz.
     """
     device = _cuda_device(device, "record_snapshot")
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -97,7 +97,9 @@ class MemoryBreakdown:
 # Tables and plots
 
 
-def table(breakdowns: dict[str, MemoryBreakdown] | Sequence[MemoryBreakdown], title: str | None = None) -> Table:
+def breakdown_table(
+    breakdowns: dict[str, MemoryBreakdown] | Sequence[MemoryBreakdown], title: str | None = None
+) -> Table:
     """One row per breakdown or prediction, sizes in MiB."""
     items = breakdowns.items() if isinstance(breakdowns, dict) else ((None, b) for b in breakdowns)
     rows = [({"case": name} if name is not None else {}) | b.row() for name, b in items]
@@ -141,7 +143,7 @@ def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], title: str = "where 
     return figure
 
 
-def plot_timeline(source: MemoryBreakdown | Snapshot | Sequence[int], title: str | None = None):
+def plot_memory_timeline(source: MemoryBreakdown | Snapshot | Sequence[int], title: str | None = None):
     """Memory after each operator (a breakdown or estimate) or allocator event (a Snapshot)."""
     import matplotlib.pyplot as plt
 

@@ -12,9 +12,9 @@ from ..precision import Precision
 from ..report import format_bytes
 from ..step import Batch
 from .allocator import free_memory
-from .estimate import precision_name, predict, target_device
-from .measure import breakdown, check_model, sample_batch
+from .measuring import breakdown, check_model, sample_batch
 from .parts import MemoryBreakdown
+from .prediction import precision_name, predict, target_device
 
 
 @dataclass

@@ -4,7 +4,7 @@ and the learning-rate range test `lr_find`. One training step on one batch is de
 
 from ..runfile import HistoryFileError
 from .checkpoint import CheckpointError
-from .evaluate import evaluate
+from .evaluation import evaluate
 from .history import History
 from .loop import NonFiniteLossError, as_loader, fit
 from .lr_finder import LRFinderResult, lr_find

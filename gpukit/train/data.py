@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .. import distributed
 from ..data import DeviceLoader, ImageDataset, ShardLoader, TextLoader, TokenDataset
-from ..data.prefetch import prefetch
+from ..data.prefetching import prefetch
 from ..step import Batch, split_batch, to_device
 
 DEVICE_LOADERS = (DeviceLoader, TextLoader)  # loaders that keep the whole dataset on the device

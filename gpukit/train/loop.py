@@ -35,7 +35,7 @@ from ..step import Batch, Loss, TrainStep
 from ..widgets import Progress
 from .checkpoint import Checkpointer
 from .data import as_loader, batches, length, prepare
-from .evaluate import evaluate
+from .evaluation import evaluate
 from .history import History
 from .tally import RunningSums, Tally, check_metrics
 from .tensorboard_log import open_log

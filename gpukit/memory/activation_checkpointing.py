@@ -14,7 +14,7 @@ kit CNN's conv groups, a transformer's layers. Choose them with one of
     modules=[...]  the named modules (names from model.named_modules(), or module classes).
 
 Module names, parameters and the state_dict do not change: the modules' `forward` is
-replaced on the instance, and `remove_checkpointing(model)` puts it back. BatchNorm running
+replaced on the instance, and `remove_activation_checkpointing(model)` puts it back. BatchNorm running
 statistics are updated once per step, as without checkpointing: the recomputation restores
 them afterwards. Forward hooks inside a region run again during the recomputation.
 """
@@ -31,7 +31,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-_PLAN = "_gpukit_checkpointing"  # the attribute that holds a model's CheckpointPlan
+from ..deprecation import renamed
+
+_PLAN = "_gpukit_checkpointing"  # the attribute that holds a model's ActivationCheckpointingPlan
 
 
 @contextlib.contextmanager
@@ -102,8 +104,8 @@ class _Sequence:
 
 
 @dataclass
-class CheckpointPlan:
-    """What apply_checkpointing did: the model's blocks and the regions made of them."""
+class ActivationCheckpointingPlan:
+    """What apply_activation_checkpointing did: the model's blocks and the regions made of them."""
 
     model_name: str
     blocks: list[str]
@@ -195,25 +197,27 @@ def _named_modules(model: nn.Module, modules: Sequence[str | type]) -> list[tupl
     return [(name, module, None) for name, module in dict(chosen).items()]
 
 
-def apply_checkpointing(
+def apply_activation_checkpointing(
     model: nn.Module,
     *,
     every: int | None = None,
     segments: int | str | None = None,
     modules: Sequence[str | type] | None = None,
-) -> CheckpointPlan:
+) -> ActivationCheckpointingPlan:
     """Checkpoint regions of `model` in place and return the plan (print it to see the regions).
 
     Give at most one of `every` (a region every k blocks; default 1), `segments` (about m
     regions, or "sqrt"), `modules` (names or classes). See the module docstring for what a
-    block is; `find_blocks(model)` lists them. Undo with remove_checkpointing(model).
+    block is; `find_blocks(model)` lists them. Undo with remove_activation_checkpointing(model).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
     if sum(choice is not None for choice in (every, segments, modules)) > 1:
         raise ValueError("choose regions one way: every=k, segments=m or modules=[...], not several.")
     if getattr(model, _PLAN, None) is not None:
-        raise ValueError("this model is already checkpointed; call gk.checkpointing.remove_checkpointing(model) first.")
+        raise ValueError(
+            "this model is already checkpointed; call gk.memory.remove_activation_checkpointing(model) first."
+        )
     notes: list[str] = []
     if modules is not None:
         groups = [[chosen] for chosen in _named_modules(model, modules)]
@@ -237,7 +241,9 @@ def apply_checkpointing(
             raise ValueError(f"every must be a positive integer (blocks per region), got {every!r}.")
         groups = _group_blocks(found, every, notes)
         blocks = [name for name, *_ in found]
-    plan = CheckpointPlan(type(model).__name__, blocks, [[name for name, *_ in group] for group in groups], notes)
+    plan = ActivationCheckpointingPlan(
+        type(model).__name__, blocks, [[name for name, *_ in group] for group in groups], notes
+    )
     containers: dict[int, tuple[nn.Sequential, dict[int, _Region]]] = {}
     for group in groups:
         names, members = [name for name, *_ in group], [module for _, module, _ in group]
@@ -257,11 +263,11 @@ def apply_checkpointing(
     return plan
 
 
-def remove_checkpointing(model: nn.Module) -> None:
-    """Undo apply_checkpointing: every module gets back the forward it had."""
+def remove_activation_checkpointing(model: nn.Module) -> None:
+    """Undo apply_activation_checkpointing: every module gets back the forward it had."""
     plan = getattr(model, _PLAN, None)
     if plan is None:
-        raise ValueError("this model is not checkpointed (apply_checkpointing was not called on it).")
+        raise ValueError("this model is not checkpointed (apply_activation_checkpointing was not called on it).")
     for module, previous in reversed(plan.patched):
         if previous is None:
             del module.forward
@@ -270,5 +276,13 @@ def remove_checkpointing(model: nn.Module) -> None:
     delattr(model, _PLAN)
 
 
-def is_checkpointed(model: nn.Module) -> bool:
+def has_activation_checkpointing(model: nn.Module) -> bool:
     return getattr(model, _PLAN, None) is not None
+
+
+__getattr__ = renamed(__name__, {
+    "apply_checkpointing": "gpukit.memory.activation_checkpointing:apply_activation_checkpointing",
+    "remove_checkpointing": "gpukit.memory.activation_checkpointing:remove_activation_checkpointing",
+    "is_checkpointed": "gpukit.memory.activation_checkpointing:has_activation_checkpointing",
+    "CheckpointPlan": "gpukit.memory.activation_checkpointing:ActivationCheckpointingPlan",
+})  # fmt: skip

@@ -7,8 +7,8 @@ Nothing here initialises CUDA in this process, so a notebook can still fork GPU 
 calling `doctor()`: GPU facts come from NVML (the driver's management library), versions from
 what torch was built with, and the device from `gpukit.detect()`.
 
-Note: `gpukit.doctor` is the function below (re-exported by the package), so reach the rest of
-this module with `from gpukit.doctor import collect, warnings, Report`.
+`gk.doctor()` is this module's `doctor` (the module is named for what it does, a checkup, so that
+`gpukit.doctor` is one thing: the function).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from ..optim import OPTIMIZERS, muon_parameters
 from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
 from .counting import CUDA_BLOCK, LiveTensors
-from .measure import MeasuredStep, build_optimizer, check_model, sample_batch
+from .measuring import MeasuredStep, build_optimizer, check_model, sample_batch
 from .parts import MemoryBreakdown
 
 

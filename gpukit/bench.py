@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .env import resolve_device
 from .hardware.gpus import find_gpu
+from .precision import PRECISIONS, matmul_format
 from .step import Loss, forward_backward
 
 
@@ -139,16 +140,23 @@ _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
 
 
 def matmul_tflops(
-    device: str | torch.device | None = None, dtype: str = "fp32", n: int = 4096, *, repeats: int = 10, warmup: int = 3
+    device: str | torch.device | None = None,
+    precision: str = "fp32",
+    n: int = 4096,
+    *,
+    repeats: int = 10,
+    warmup: int = 3,
 ) -> float:
-    """Measured TFLOP/s of an n×n @ n×n matmul (2·n³ floating-point operations)."""
+    """Measured TFLOP/s of an n×n @ n×n matmul (2·n³ floating-point operations) in the number format of
+    `precision` ("fp32", "tf32", "bf16-mixed", "fp16-mixed": the names fit takes)."""
+    dtype = matmul_format(precision)
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(_DTYPES)}.")
+        raise ValueError(f"precision={precision!r} has no matmul benchmark here; use one of {', '.join(PRECISIONS)}.")
     if n <= 0:
         raise ValueError(f"n must be positive, got {n}.")
     device = resolve_device(device)
     if dtype == "tf32" and device.type != "cuda":
-        raise ValueError("tf32 is a mode of NVIDIA GPUs; use dtype='fp32' on this device.")
+        raise ValueError("tf32 is a mode of NVIDIA GPUs; use precision='fp32' on this device.")
     generator = torch.Generator(device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=_DTYPES[dtype], generator=generator)
     b = torch.randn(n, n, device=device, dtype=_DTYPES[dtype], generator=generator)
@@ -180,10 +188,10 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
     return counter.get_total_flops()
 
 
-def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
+def peak_tflops(device_name: str, precision: str = "bf16-mixed") -> float | None:
     """Datasheet peak dense TFLOP/s of a GPU by name ("NVIDIA H100 80GB HBM3", …), or None.
 
-    `precision` is "fp32", "tf32", "bf16", "fp16" or "fp8" (a "-mixed" suffix is ignored). The
+    `precision` is a name fit takes ("fp32", "tf32", "bf16-mixed", "fp16-mixed") or "fp8". The
     figures come from the one GPU table, gk.hardware.GPUS (each row cites its datasheet).
     """
     gpu = find_gpu(device_name)

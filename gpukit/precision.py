@@ -13,12 +13,28 @@ enabled=False), so the training loop has one code path for every precision.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
 
 PRECISIONS = ("fp32", "tf32", "bf16-mixed", "fp16-mixed")
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# The number format a precision's matrix multiplies run in: what a datasheet's peak TFLOP/s and a matmul
+# benchmark are quoted in. "fp8" is a format for matmuls only (no training precision of that name yet).
+MATMUL_FORMAT = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8": "fp8"}
+
+
+def matmul_format(precision: str) -> str:
+    """The matmul number format of a precision name ("bf16-mixed" -> "bf16"); the bare formats "bf16" and
+    "fp16" still work for one release, with a DeprecationWarning (one vocabulary: the precision names)."""
+    if precision in ("bf16", "fp16"):
+        warnings.warn(f"precision {precision!r} is deprecated here; use {precision + '-mixed'!r} (the names of "
+                      "gk.PRECISIONS, which fit takes too).", DeprecationWarning, stacklevel=3)  # fmt: skip
+        return precision
+    if precision not in MATMUL_FORMAT:
+        raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(map(repr, MATMUL_FORMAT))}.")
+    return MATMUL_FORMAT[precision]
 
 
 class Precision:

@@ -51,7 +51,7 @@ def test_peaks_and_mfu():
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16-mixed") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA H100 PCIe") == pytest.approx(756.0)
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32") == pytest.approx(156.0)
-    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # V100 has no bf16 tensor cores
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16-mixed") is None  # V100 has no bf16 tensor cores
     assert peak_tflops("Some Unknown GPU") is None
     assert mfu(1e12, 0.01, 1000.0) == pytest.approx(0.1)
     with pytest.raises(ValueError):
@@ -61,10 +61,12 @@ def test_peaks_and_mfu():
 def test_bad_inputs():
     with pytest.raises(ValueError, match="repeats"):
         timeit(lambda: None, repeats=0)
-    with pytest.raises(ValueError, match="dtype"):
-        matmul_tflops("cpu", dtype="int8")
+    with pytest.raises(ValueError, match="int8"):
+        matmul_tflops("cpu", precision="int8")
+    with pytest.warns(DeprecationWarning, match="'bf16-mixed'"):  # the old format name, for one release
+        assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == peak_tflops("NVIDIA H100 80GB HBM3", "bf16-mixed")
     with pytest.raises(ValueError, match="tf32"):
-        matmul_tflops("cpu", dtype="tf32")
+        matmul_tflops("cpu", precision="tf32")
 
 
 @pytest.mark.gpu

@@ -64,11 +64,11 @@ def test_unknown_gpu_names_the_closest():
 
 
 def test_add_gpu_overrides_and_bench_reads_the_same_table():
-    before = gk.bench.peak_tflops("NVIDIA A100 80GB PCIe", "bf16")
+    before = gk.bench.peak_tflops("NVIDIA A100 80GB PCIe", "bf16-mixed")
     pcie = GPU("A100 80GB PCIe", 80, 1.935, 19.5, 156.0, 300.0, 300.0, None, (8, 0), 300, ("A100 80GB PCIe",))
     add_gpu(pcie)
-    assert gk.bench.peak_tflops("NVIDIA A100 80GB PCIe", "bf16") == 300.0 != before
-    assert gk.bench.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == before  # the SXM row is untouched
+    assert gk.bench.peak_tflops("NVIDIA A100 80GB PCIe", "bf16-mixed") == 300.0 != before
+    assert gk.bench.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16-mixed") == before  # the SXM row is untouched
     add_gpu(GPU("MyGPU", 12, 0.5, 10.0, None, None, 40.0, None, (7, 5), 100))
     assert get_gpu("mygpu").peak_tflops("fp16-mixed") == 40.0
     with pytest.raises(ValueError, match="memory_gb must be positive"):

@@ -17,7 +17,7 @@ import importlib
 
 from ..deprecation import renamed
 from .clocks import BENIGN_CLOCK_REASONS, CLOCK_REASONS, clock_reasons
-from .gpus import GPU, GPUS, PRECISION_NAMES, add_gpu, find_gpu, get_gpu, gpu_table, reset_gpus
+from .gpus import GPU, GPUS, add_gpu, find_gpu, get_gpu, gpu_table, reset_gpus
 
 _LAZY = {
     "contention": ("ContentionResult", "measure_contention"),
@@ -27,7 +27,7 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [
-    "BENIGN_CLOCK_REASONS", "CLOCK_REASONS", "GPU", "GPUS", "PRECISION_NAMES", "add_gpu", "clock_reasons",
+    "BENIGN_CLOCK_REASONS", "CLOCK_REASONS", "GPU", "GPUS", "add_gpu", "clock_reasons",
     "find_gpu", "get_gpu", "gpu_table", "reset_gpus", *_HOME,
 ]  # fmt: skip
 
@@ -40,7 +40,9 @@ def __getattr__(name: str):
     return _renamed(name)
 
 
-_renamed = renamed(__name__, {"table": "gpukit.hardware.gpus:gpu_table"})
+_renamed = renamed(
+    __name__, {"table": "gpukit.hardware.gpus:gpu_table", "PRECISION_NAMES": "gpukit.precision:MATMUL_FORMAT"}
+)
 
 
 def __dir__() -> list[str]:

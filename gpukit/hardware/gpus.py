@@ -17,9 +17,8 @@ import difflib
 import re
 from dataclasses import dataclass, field
 
+from ..precision import matmul_format
 from ..report import Table
-
-PRECISION_NAMES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -57,12 +56,10 @@ class GPU:
     def supports_fp8(self) -> bool:
         return self.fp8 is not None
 
-    def peak_tflops(self, precision: str = "bf16") -> float | None:
-        """Dense peak TFLOP/s for "fp32", "tf32", "bf16", "fp16" or "fp8" (a "-mixed" suffix is ignored)."""
-        precision = precision.removesuffix("-mixed")
-        if precision not in PRECISION_NAMES:
-            raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(PRECISION_NAMES)}.")
-        return getattr(self, precision)
+    def peak_tflops(self, precision: str = "bf16-mixed") -> float | None:
+        """Dense peak TFLOP/s of the matmuls of a precision ("fp32", "tf32", "bf16-mixed", "fp16-mixed",
+        or "fp8"); None where this GPU has no such units."""
+        return getattr(self, matmul_format(precision))
 
     def row(self) -> dict:
         """A row for a Table."""

@@ -51,9 +51,6 @@ TYPICAL_MFU = 0.35
 # for the next kernel. CUDA graphs and torch.compile remove most of it.
 LAUNCH_SECONDS = 5e-6
 
-_PEAK_KEY = {"fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
-_DTYPE_KEY = {"fp32": "fp32", "tf32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}  # CPU matmuls
-
 
 def step_traffic(memory: MemoryBreakdown) -> int:
     """Bytes a training step moves to and from device memory, at least: activations written in the
@@ -246,13 +243,13 @@ def _present_machine(device: torch.device, precision: str) -> tuple[str, float, 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         row = find_gpu(name)
-        peak = row.peak_tflops(_PEAK_KEY[precision]) if row is not None else None
+        peak = row.peak_tflops(precision) if row is not None else None
         if peak is not None:
             return name, peak, row.bandwidth_tbs
     else:
         name = f"this CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
-    peak = matmul_tflops(device, _DTYPE_KEY[precision] if device.type != "cuda" else _PEAK_KEY[precision], n=1024,
-                         repeats=3, warmup=1)  # fmt: skip
+    on_cpu = "fp32" if precision == "tf32" and device.type != "cuda" else precision  # tf32 is a GPU mode
+    peak = matmul_tflops(device, on_cpu, n=1024, repeats=3, warmup=1)
     source = torch.empty(2**24, device=device)  # 64 MiB of fp32
     target = torch.empty_like(source)
     seconds = compare({"copy": lambda: target.copy_(source)}, device=device, warmup=1, repeats=5)["copy"].median
@@ -334,7 +331,7 @@ def plan(
     rows = []
     for gpu in chosen:
         usable = usables[gpu.memory_bytes]
-        peak = gpu.peak_tflops(_PEAK_KEY[precision])
+        peak = gpu.peak_tflops(precision)
         fits = memory.total <= usable
         step_time = bound = hours = cost = None
         if peak is not None:

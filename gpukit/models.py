@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .validation import check_int
+
 
 def conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:
     """3×3 convolution → BatchNorm → GELU. The conv has no bias: BatchNorm's shift replaces it."""
@@ -168,11 +170,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
 class GPT(nn.Module):
     """A decoder-only transformer (GPT-2's layout, small): token ids (B, T) → next-token logits (B, T, vocab_size).
 
@@ -202,7 +199,7 @@ class GPT(nn.Module):
     ):
         sizes = {"vocab_size": vocab_size, "max_seq_len": max_seq_len, "width": width, "depth": depth, "heads": heads}
         for name, value in sizes.items():
-            _positive_int(name, value)
+            check_int(name, value)
         if width % heads:
             raise ValueError(f"width ({width}) must be divisible by heads ({heads}): each head gets width / heads.")
         if positions not in POSITIONS:
@@ -294,12 +291,11 @@ class GPT(nn.Module):
         Runs in eval mode (no dropout) without gradients, and restores the training mode.
         """
         tokens = self._check_tokens(tokens)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.")
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature must be a finite number ≥ 0 (0 means greedy), got {temperature!r}.")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k):
-            raise ValueError(f"top_k must be None or a positive integer, got {top_k!r}.")
+        if top_k is not None:
+            check_int("top_k", top_k, note="(or None)")
         if generator is not None:
             if not isinstance(generator, torch.Generator):
                 raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}.")

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .validation import check_number
+
 SCHEDULES = ("onecycle", "linear", "constant")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lars", "muon")
 DEFAULT_LR = 0.05  # fit's peak learning rate for the SGD family given by name
@@ -41,13 +43,12 @@ MUON_TORCH = "2.9"
 
 
 def check_lr(lr) -> None:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a positive, finite number, got {lr!r}.")
+    check_number("lr", lr, note="(finite)")
 
 
 def check_weight_decay(weight_decay) -> None:
     if (
-        isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float))
+        not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool)
         or not math.isfinite(weight_decay) or weight_decay < 0
     ):  # fmt: skip
         raise ValueError(f"weight_decay must be a finite number >= 0 (0 turns it off), got {weight_decay!r}.")

@@ -25,6 +25,7 @@ import torch
 
 from .env import detect
 from .files import write_atomic
+from .validation import is_int
 
 FORMAT = "gpukit.History"
 VERSION = 1  # raise it when a change makes files unreadable by older gpukit versions
@@ -154,7 +155,7 @@ def read(path: str | Path) -> dict:
             f'"format": "{FORMAT}" entry.'
         )
     version = record.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version) or version < 1:
         raise HistoryFileError(f"{path} is damaged: its format version is {version!r}, not a positive integer.")
     if version > VERSION:
         raise HistoryFileError(

@@ -3,7 +3,9 @@
 - `device`: the CPU, where every test runs (a GPU machine runs them on its CPU too).
 - `@pytest.mark.gpu`: a test of a CUDA path, skipped with a stated reason where there is no CUDA GPU.
 - `one_thread`: torch on one intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`).
-- `shapes_train`: 512 synthetic training images (gk.data.shapes, seed 1), built once per run.
+- `shapes_train`: 512 synthetic training images (gk.data.shapes, seed 1), built once per run; `small_data`:
+  (train, test) of 512 and 128; `corpus`: (train, test) windows of 16 byte tokens of gpukit's own source.
+- Shared models and batches (a small GPT, a Hugging Face-style LM, seeded images): tests/helpers.py.
 - `fresh_global_state` (autouse): every test starts with Python's, NumPy's and torch's generators seeded
   with 0, and leaves them, torch's threads, default dtype, grad mode and matmul/cuDNN flags as it found
   them: tests pass alone, together and in any order.
@@ -85,3 +87,17 @@ def one_thread():
 @pytest.fixture(scope="session")
 def shapes_train() -> ImageDataset:
     return shapes(512, 0, seed=1)[0]
+
+
+@pytest.fixture(scope="session")
+def small_data() -> tuple[ImageDataset, ImageDataset]:
+    """512 training and 128 held-out shapes images (seed 1)."""
+    return shapes(512, 128, seed=1)
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """Byte tokens of real text (this package's own source), split into train and held-out windows of 16."""
+    import gpukit
+
+    return gpukit.data.text(gpukit.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")

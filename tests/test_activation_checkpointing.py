@@ -13,12 +13,9 @@ from gpukit.memory.activation_checkpointing import (
     has_activation_checkpointing,
     remove_activation_checkpointing,
 )
+from tests.helpers import images
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # bytes and exact equality, not seconds (conftest.py)
-
-
-def images(batch, seed=0):
-    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
 def train_steps(model, steps=3):

@@ -24,6 +24,7 @@ from gpukit import distributed
 from gpukit.data import DeviceLoader
 from gpukit.distributed import costmodel, scaling
 from gpukit.distributed.pipeline import Scale, TwoStagePipeline, split_in_two
+from tests.helpers import tiny_gpt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 COMMON = dict(
     epochs=2, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, log_every=4, seed=3, device="cpu"
 )
+
 BATCH = 32  # per rank
 SHORT = COMMON | {"max_steps": 4}  # enough to tell two trainings apart
 
@@ -67,8 +69,7 @@ def pipeline_gradient_difference(micro_batches: int = 4) -> float:
 
 
 def gpt():
-    torch.manual_seed(0)
-    return gk.models.gpt(max_seq_len=16, width=32, depth=2, heads=2)
+    return tiny_gpt(max_seq_len=16)
 
 
 TEXT = dict(batch_size=8, max_steps=6, lr=0.05, optimizer="sgd", schedule="constant", warmup=0, progress=False,

@@ -163,7 +163,7 @@ def nothing():
 @pytest.mark.parametrize(
     "arguments, options, error, message",
     [
-        ((0,), {}, ValueError, "nprocs must be a positive number of processes, got 0"),
+        ((0,), {}, ValueError, r"nprocs must be a positive integer \(processes\), got 0"),
         ((-2,), {}, ValueError, "nprocs must be a positive"),
         ((1.5,), {}, ValueError, "nprocs must be a positive"),
         ((2,), {"backend": "mpi"}, ValueError, "backend='mpi' is not supported"),

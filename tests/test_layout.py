@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).parent.parent / "gpukit"
 LAYERS = [
     {
         "gpukit.deprecation",
+        "gpukit.validation",
         "gpukit.hardware.clocks",
         "gpukit.hardware:init",  # the package's own __init__: the tables only
         "gpukit.data.vision",

@@ -12,6 +12,16 @@ import gpukit as gk
 from gpukit import memory
 from gpukit.data import shapes
 from gpukit.memory import allocator
+from tests.helpers import CausalLM as HuggingFaceStyleLM
+from tests.helpers import images, tiny_gpt
+
+
+class CausalLM(HuggingFaceStyleLM):
+    """Labels are each position's targets; the outputs a plain dict with "loss" and "logits"."""
+
+    def __init__(self):
+        super().__init__(shift=False, as_dict=True)
+
 
 matplotlib.use("Agg")  # figures are drawn, never shown
 
@@ -20,10 +30,6 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # bytes, not seconds, on tiny tensors (conftest.py)
-
-
-def images(batch, size=32, seed=0):
-    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
 def batchnorm_channels(model):
@@ -207,11 +213,6 @@ def test_without_a_gpu_the_budget_must_be_given():
 # A sample batch of any form, sliced out of a larger tensor
 
 
-def tiny_gpt():
-    torch.manual_seed(0)
-    return gk.models.gpt(max_seq_len=32, width=32, depth=2, heads=2)
-
-
 def test_a_slice_and_its_clone_give_the_same_breakdown():
     """The first layer saves its input for backward: the slice's bytes count, not the whole dataset behind it."""
     dataset = images(1024)  # 12 MiB behind the slice
@@ -238,19 +239,6 @@ def test_measured_equals_predicted_for_a_sliced_sample_batch(kind):
     predicted = memory.estimate(model, batch, optimizer="adamw", device="cpu")
     assert predicted.activations == measured.activations > 0
     assert predicted.total == measured.total
-
-
-class CausalLM(nn.Module):
-    """Hugging Face-style: model(input_ids=…, labels=…) returns a dict with "loss" and "logits"."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
-
-    def forward(self, input_ids, labels=None):
-        logits = self.head(self.embed(input_ids))
-        return {"logits": logits, "loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
 def test_activations_of_a_transformer_grow_linearly_with_the_sequence(device):
@@ -354,7 +342,7 @@ def small_data(shapes_train):
 
 class RunsOutInBackward(CausalLM):
     def forward(self, input_ids, labels=None):
-        outputs = super().forward(input_ids, labels)
+        outputs = super().forward(input_ids, labels=labels)
         return outputs | {"loss": OutOfMemoryInBackward.apply(outputs["loss"])}
 
 

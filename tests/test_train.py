@@ -14,30 +14,15 @@ from torch.utils.data import TensorDataset
 import gpukit as gk
 from gpukit.data import DeviceLoader, ImageDataset, TextLoader, shapes
 from gpukit.env import PROFILES
+from tests.helpers import CausalLM, tiny_gpt
 
 matplotlib.use("Agg")  # figures are drawn, never shown
-
-
-@pytest.fixture(scope="module")
-def small_data():
-    return shapes(512, 128, seed=1)
 
 
 def mlp(num_classes=10, seed=0):
     """A model without BatchNorm: accumulation must match a larger batch exactly."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.GELU(), nn.Flatten(), nn.Linear(8 * 15 * 15, num_classes))
-
-
-def tiny_gpt(seed=0, **sizes):
-    torch.manual_seed(seed)
-    return gk.models.gpt(**({"max_seq_len": 32, "width": 32, "depth": 2, "heads": 2} | sizes))
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    """Byte tokens of real text (this package's own source), split into train and held-out windows of 16."""
-    return gk.data.text(gk.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")
 
 
 def regression(count=256, seed=0):
@@ -51,33 +36,6 @@ def regression(count=256, seed=0):
 def regressor(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 32), nn.GELU(), nn.Linear(32, 1))
-
-
-class ModelOutput(dict):
-    """The shape of a Hugging Face ModelOutput: a dict whose entries are also attributes."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-class CausalLM(nn.Module):
-    """A Hugging Face-style causal LM: model(input_ids=…, attention_mask=…, labels=…) returns
-    .loss and .logits, and shifts the labels inside (position t predicts token t + 1)."""
-
-    def __init__(self, vocab=256, width=16, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
-
-    def forward(self, input_ids, attention_mask=None, labels=None):
-        logits = self.head(self.embed(input_ids))  # (B, T, V)
-        if labels is None:
-            return ModelOutput(logits=logits)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        return ModelOutput(loss=loss, logits=logits)
 
 
 def dict_batches(corpus, batch_size=8, count=6):
@@ -501,12 +459,12 @@ def _untouched(model, before):
         (dict(precision="tf32"), "use 'fp32', or 'bf16-mixed'"),
         (dict(device="cuda:5"), "use device='cpu'"),
         (dict(device="tpu"), "is not a device|not supported"),
-        (dict(accumulate=0), "accumulate must be an integer >= 1"),
+        (dict(accumulate=0), "accumulate must be a positive integer"),
         (dict(schedule="cosine-ish"), "schedule='cosine-ish' is unknown"),
         (dict(optimizer="lion"), "optimizer='lion' is unknown"),
         (dict(clip=-1.0), "clip must be a positive"),
-        (dict(lr=0), "lr must be a positive, finite number"),
-        (dict(lr=float("nan")), "lr must be a positive, finite number"),
+        (dict(lr=0), r"lr must be a positive number \(finite\)"),
+        (dict(lr=float("nan")), r"lr must be a positive number \(finite\)"),
         (dict(loss_fn="hinge"), "loss_fn='hinge' is unknown"),
         (dict(metrics={"loss": lambda o, t: 0.0}), "metric name 'loss' cannot be a column"),
         (dict(metrics={"f1": 3}), "metric 'f1' is a int, not a function"),
@@ -606,76 +564,6 @@ def test_generic_dataset_goes_through_a_dataloader(device):
     labels = torch.randint(0, 10, (64,))
     history = gk.fit(mlp(), TensorDataset(images, labels), batch_size=16, progress=False, log_every=1, device=device)
     assert len(history.steps) == 4
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints and resume
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_at(call: int, loss_fn):
-    calls = 0
-
-    def crashing(*args):
-        nonlocal calls
-        calls += 1
-        if calls == call:
-            raise Crash
-        return loss_fn(*args)
-
-    return crashing
-
-
-@pytest.mark.parametrize("kind", ["cnn", "gpt"])
-def test_resume_after_a_crash_equals_an_uninterrupted_run(kind, small_data, corpus, tmp_path, device):
-    if kind == "cnn":
-        torch.manual_seed(0)
-        data, options = small_data[0], dict(batch_size=64, lr=0.05)
-        straight, loss_fn = gk.models.fast_cnn(4), nn.functional.cross_entropy  # epoch 1 has 8 batches
-    else:
-        data, options = corpus[0], dict(batch_size=64, lr=3e-3, optimizer="adamw")
-        straight, loss_fn = tiny_gpt(), gk.step.cross_entropy  # epoch 1 has 2,400 // 16 // 64 = 2 batches
-    crashed, resumed = copy.deepcopy(straight), copy.deepcopy(straight)
-    common = dict(epochs=2, progress=False, seed=7, device=device, **options)
-    gk.fit(straight, data, loss_fn=loss_fn, **common)
-    with pytest.raises(Crash):
-        gk.fit(crashed, data, **common, loss_fn=crash_at(10 if kind == "cnn" else 3, loss_fn), checkpoint_dir=tmp_path)
-    history = gk.fit(resumed, data, **common, loss_fn=loss_fn, checkpoint_dir=tmp_path)  # picks up at epoch 2
-    assert [row["epoch"] for row in history.epochs] == [1, 2]
-    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
-        torch.testing.assert_close(a, b)
-
-
-def test_corrupt_or_mismatched_checkpoint_is_an_error(small_data, tmp_path, device):
-    train, _ = small_data
-    common = dict(progress=False, checkpoint_dir=tmp_path, device=device)
-    gk.fit(gk.models.fast_cnn(4), train, epochs=1, batch_size=64, **common)
-    with pytest.raises(RuntimeError, match="cannot resume"):
-        gk.fit(gk.models.fast_cnn(8), train, epochs=2, batch_size=64, **common)
-    with pytest.raises(RuntimeError, match="resume with the same epochs"):
-        gk.fit(gk.models.fast_cnn(4), train, epochs=3, batch_size=32, **common)
-    (tmp_path / "last.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match="cannot resume"):
-        gk.fit(gk.models.fast_cnn(4), train, epochs=2, batch_size=64, **common)
-
-
-def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
-    path = tmp_path / "state.pt"
-    gk.files.save_atomic({"value": 1}, path)
-
-    def broken_save(obj, file):
-        file.write(b"half")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        gk.files.save_atomic({"value": 2}, path)
-    monkeypatch.undo()
-    assert torch.load(path)["value"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary file left behind
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,13 +27,13 @@ from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..report import Table
 from ..step import Batch, Loss, TrainStep, split_batch, to_device
+from ..validation import check_int
 from .prefetching import prefetch
 
 
 def check_workers(num_workers: int, prefetch_factor: int | None) -> None:
     """Reject DataLoader worker settings that cannot work; warn about ones that oversubscribe the CPU."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be an integer >= 0 (0: load in the training process), got {num_workers!r}.")
+    check_int("num_workers", num_workers, minimum=0, note="(0: load in the training process)")
     if prefetch_factor is not None and num_workers == 0:
         raise ValueError(
             f"prefetch_factor={prefetch_factor} applies to worker processes (batches each worker loads ahead), but "
@@ -182,10 +182,8 @@ def diagnose(
     model: trained on a copy (an SGD step with a small learning rate unless `optimizer` builds another),
         so your model and its gradients are left as they were.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer (batches timed per measurement), got {steps!r}.")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0 (untimed batches first), got {warmup!r}.")
+    check_int("steps", steps, note="(batches timed per measurement)")
+    check_int("warmup", warmup, minimum=0, note="(untimed batches first)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
     device = resolve_device(device)

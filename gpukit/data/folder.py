@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..files import save_atomic
+from ..validation import check_int
 from . import vision
 from .images import ImageDataset
 
@@ -44,8 +45,7 @@ def image_folder(
         such a file raises ValueError instead.
     progress: show a progress bar while decoding.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ValueError(f"size must be a positive int (pixels per side of the square images), got {size!r}.")
+    check_int("size", size, note="(pixels per side of the square images)")
     root = Path(root).expanduser()
     classes, paths, labels = _scan(root)
     fingerprint = _fingerprint(root, paths, size)

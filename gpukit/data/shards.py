@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import env
 from ..files import write_atomic
+from ..validation import check_int
 from .bottleneck import check_workers
 from .formats import INDEX, _check_dataset, _fresh_folder, _metadata, _publish, decode, encode, read_index
 from .images import ImageDataset
@@ -59,8 +60,7 @@ def write_shards(dataset: ImageDataset, root: str | os.PathLike, *, samples_per_
     last, into a temporary folder that replaces `root` when complete.
     """
     _check_dataset(dataset)
-    if isinstance(samples_per_shard, bool) or not isinstance(samples_per_shard, int) or samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be a positive integer, got {samples_per_shard!r}.")
+    check_int("samples_per_shard", samples_per_shard)
     extension = {"jpeg": "jpg", "png": "png"}.get(format)
     if extension is None:
         raise ValueError(f"format={format!r} is unknown; use 'jpeg' or 'png'.")
@@ -236,8 +236,7 @@ class ShardLoader:
     def __init__(self, root: str | os.PathLike, batch_size: int, *, shuffle: bool = True, shuffle_buffer: int = 1000,
                  num_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool | None = None,
                  drop_last: bool | None = None, normalize: bool = True, seed: int = 0):  # fmt: skip
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        check_int("batch_size", batch_size)
         check_workers(num_workers, prefetch_factor)
         self.root = Path(root)
         self.index = read_index(self.root, "shards")

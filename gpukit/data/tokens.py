@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..env import resolve_device
+from ..validation import check_int
 
 VOCAB_SIZE = 256  # one token per byte
 
@@ -48,8 +49,7 @@ class TokenDataset(Dataset):
     def __init__(self, tokens: torch.Tensor, seq_len: int, name: str = "text"):
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.uint8 or tokens.dim() != 1:
             raise ValueError("tokens must be a 1-D uint8 tensor of bytes; use gk.data.encode(text) to make one.")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}.")
+        check_int("seq_len", seq_len)
         if len(tokens) < seq_len + 1:
             raise ValueError(
                 f"{name} has {len(tokens):,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} (a window and its "
@@ -169,8 +169,7 @@ class TextLoader:
     ):
         if not isinstance(dataset, TokenDataset):
             raise TypeError(f"TextLoader takes a TokenDataset (from gk.data.text()), got {type(dataset).__name__}.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        check_int("batch_size", batch_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in 0..world_size-1, got rank={rank}, world_size={world_size}.")
         self.device = resolve_device(device)

@@ -31,6 +31,7 @@ import torch
 
 from .. import env
 from ..files import write_atomic  # the parent never reads half a file
+from ..validation import check_int
 
 BACKENDS = ("nccl", "gloo")
 START_METHODS = ("spawn", "fork")
@@ -139,8 +140,7 @@ def _check_backend_and_nprocs(backend: str | None, nprocs: int | None) -> tuple[
         raise ValueError("backend='nccl' needs CUDA GPUs and this machine has none; use backend='gloo'.")
     if nprocs is None:
         nprocs = gpu_count if backend == "nccl" else 2
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs <= 0:
-        raise ValueError(f"nprocs must be a positive number of processes, got {nprocs!r}.")
+    check_int("nprocs", nprocs, note="(processes)")
     if backend == "nccl":
         if not torch.distributed.is_nccl_available():
             raise ValueError("backend='nccl' is not available in this build of PyTorch; use backend='gloo'.")
@@ -181,8 +181,7 @@ def _free_port() -> int:
 
 
 def _check_port(port: int) -> int:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"port must be an integer in 1..65535, got {port!r}.")
+    check_int("port", port, maximum=65535)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds
         try:

@@ -28,6 +28,7 @@ from ..plots import plot_bars
 from ..precision import get_precision
 from ..report import Table
 from ..step import Loss, TrainStep, split_batch, to_device
+from ..validation import check_int
 
 
 @dataclass
@@ -119,8 +120,7 @@ def measure_contention(
         each; where CPU affinity cannot be set, both use all cores); default a GPU when there is one.
     """
     for name, value in (("steps", steps), ("rounds", rounds)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_int(name, value)
     if not callable(make_model) or not callable(make_batch):
         raise TypeError("make_model and make_batch must be functions that build the model and a batch.")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..plots import plot_monitor
+from ..validation import check_number
 from .clocks import BENIGN_CLOCK_REASONS, clock_reasons
 
 # Grams of CO₂ per kWh of electricity: the world average for 2023 (Ember, Global Electricity
@@ -105,10 +106,8 @@ class Monitor:
 
     def __init__(self, device="cuda", *, interval: float = 0.1, grid_intensity: float = DEFAULT_GRID_INTENSITY,
                  strict: bool = False, rapl_root: str | None = None):  # fmt: skip
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
-            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}; 0.1 samples at 10 Hz.")
-        if isinstance(grid_intensity, bool) or not isinstance(grid_intensity, (int, float)) or grid_intensity < 0:
-            raise ValueError(f"grid_intensity must be grams of CO₂ per kWh (>= 0), got {grid_intensity!r}.")
+        check_number("interval", interval, note="of seconds (0.1 samples at 10 Hz)")
+        check_number("grid_intensity", grid_intensity, positive=False, note="(grams of CO₂ per kWh)")
         import torch
 
         device = torch.device(device)

@@ -26,6 +26,7 @@ from ..optim import make_optimizer
 from ..precision import Precision, get_precision, has_fast_kernels
 from ..report import Table, format_bytes
 from ..step import Loss, TrainStep, forward_backward, split_batch, to_device
+from ..validation import check_int, check_number
 from .gpus import GPU, GPUS, find_gpu, get_gpu
 
 # Example on-demand prices in US$ per GPU-hour, for one GPU. Prices change often and differ by
@@ -195,8 +196,7 @@ def _mark_pareto(rows: list[PlanRow]) -> None:
 def _check_prices(prices: dict) -> dict[str, float]:
     checked = {}
     for name, price in prices.items():
-        if isinstance(price, bool) or not isinstance(price, (int, float)) or not price > 0 or not math.isfinite(price):
-            raise ValueError(f"the price of {name} must be a positive number of US$ per GPU-hour, got {price!r}.")
+        check_number(f"the price of {name}", price, note="of US$ per GPU-hour")
         checked[get_gpu(name).name] = float(price)
     return checked
 
@@ -289,8 +289,7 @@ def plan(
     check_model(model)
     sample = sample_batch(model, batch, labels)
     precision = precision_name(precision)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}.")
+    check_int("steps", steps, note="(optimizer steps)")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}; 0.1 keeps 10% of memory free.")
     if mfu not in ("measured", "typical") and (isinstance(mfu, (str, bool)) or not 0 < mfu <= 1):

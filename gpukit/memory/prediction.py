@@ -12,6 +12,7 @@ from ..env import resolve_device
 from ..optim import OPTIMIZERS, muon_parameters
 from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
+from ..validation import is_int
 from .counting import CUDA_BLOCK, LiveTensors
 from .measuring import MeasuredStep, build_optimizer, check_model, sample_batch
 from .parts import MemoryBreakdown
@@ -129,7 +130,7 @@ def estimate(
     target = target_device(device)
     precision = precision_name(precision)
     sizes = [batch.size] if batch_sizes is None else list(batch_sizes)
-    if not sizes or any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+    if not sizes or not all(is_int(size) and size >= 1 for size in sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}.")
     predictions = [
         predict(model, batch, size, optimizer=optimizer, precision=precision, target=target, loss_fn=loss_fn,

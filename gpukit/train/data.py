@@ -11,6 +11,7 @@ from .. import distributed
 from ..data import DeviceLoader, ImageDataset, ShardLoader, TextLoader, TokenDataset
 from ..data.prefetching import prefetch
 from ..step import Batch, split_batch, to_device
+from ..validation import check_int
 
 DEVICE_LOADERS = (DeviceLoader, TextLoader)  # loaders that keep the whole dataset on the device
 
@@ -37,8 +38,7 @@ def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bo
     if isinstance(data, Dataset):
         if batch_size is None:
             raise ValueError("batch_size is required when passing a Dataset (or pass a loader that has one).")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        check_int("batch_size", batch_size)
         if hasattr(data, "__len__") and len(data) == 0:
             raise ValueError("the dataset is empty; give it at least one example.")
         pin = device.type == "cuda"  # page-locked host memory: the copy to the GPU can overlap compute

@@ -32,6 +32,7 @@ from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedu
 from ..precision import Precision, get_precision
 from ..runfile import run_environment
 from ..step import Batch, Loss, TrainStep
+from ..validation import check_int
 from ..widgets import Progress
 from .checkpoint import Checkpointer
 from .data import as_loader, batches, length, prepare
@@ -144,10 +145,8 @@ def fit(
 
 
 def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}.")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be an integer >= 1 (micro-batches per optimizer step), got {accumulate!r}.")
+    check_int("epochs", epochs, minimum=0)
+    check_int("accumulate", accumulate, note="(micro-batches per optimizer step)")
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be a positive gradient-norm bound or None, got {clip!r}.")
     if lr is not None:

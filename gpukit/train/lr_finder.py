@@ -21,6 +21,7 @@ from ..optim import check_lr, make_optimizer
 from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
+from ..validation import check_int
 from .data import as_loader, length, prepare
 
 SUGGESTION_RULE = "the lr at the minimum of the smoothed loss ÷ 10"
@@ -59,8 +60,7 @@ def _check(start_lr, end_lr, steps, smoothing, diverge) -> None:
     check_lr(end_lr)
     if end_lr <= start_lr:
         raise ValueError(f"end_lr ({end_lr:g}) must be above start_lr ({start_lr:g}): the test sweeps upwards.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 5:
-        raise ValueError(f"steps must be an integer >= 5 (optimizer steps of the sweep), got {steps!r}.")
+    check_int("steps", steps, minimum=5, note="(optimizer steps of the sweep)")
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing must lie in [0, 1) (0: no smoothing), got {smoothing!r}.")
     if not diverge > 1:
@@ -101,8 +101,7 @@ def lr_find(
     model stays on its device.
     """
     _check(start_lr, end_lr, steps, smoothing, diverge)
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be an integer >= 1 (micro-batches per optimizer step), got {accumulate!r}.")
+    check_int("accumulate", accumulate, note="(micro-batches per optimizer step)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
     device = resolve_device(device)

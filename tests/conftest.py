@@ -4,10 +4,14 @@
 - `@pytest.mark.gpu`: a test of a CUDA path, skipped with a stated reason where there is no CUDA GPU.
 - `one_thread`: torch on one intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`).
 - `shapes_train`: 512 synthetic training images (gk.data.shapes, seed 1), built once per run.
+- `fake_cuda`: one fake H100 at torch's lowest CUDA layer (tests/fake_cuda.py), undone after the test; other GPUs with
+  `@pytest.mark.parametrize("fake_cuda", [[T4, T4]], indirect=True)`. It checks calls and argument handling, not
+  numbers.
 """
 
 import pytest
 import torch
+from fake_cuda import H100, FakeCuda  # tests/ is on sys.path (pytest's rootdir-relative import)
 
 from gpukit.data import ImageDataset, shapes
 
@@ -43,3 +47,9 @@ def one_thread():
 @pytest.fixture(scope="session")
 def shapes_train() -> ImageDataset:
     return shapes(512, 0, seed=1)[0]
+
+
+@pytest.fixture
+def fake_cuda(request, monkeypatch) -> FakeCuda:
+    """A fake CUDA machine (default one H100; `request.param`: a list of FakeGPU) for the test, undone after it."""
+    return FakeCuda(getattr(request, "param", [H100])).install(monkeypatch)

@@ -14,7 +14,9 @@ Only the layer under torch.cuda's Python functions is replaced (see `FakeCuda.in
 - `torch.cuda.Stream` and `torch.cuda.Event`: CPU objects that record what is done with them; an event's time is
   the host clock when it was recorded, and `elapsed_time` raises until a synchronisation completed it, as on a GPU;
 - `Tensor.to("cuda")`: a CPU copy that says it is on cuda:N (`FakeCudaTensor`: `is_cuda`, `device`,
-  `record_stream`); arithmetic on it gives ordinary CPU tensors, and `Module.to("cuda")` leaves parameters on the CPU;
+  `record_stream`); arithmetic on it gives ordinary CPU tensors, and `Module.to("cuda")` leaves parameters on the CPU.
+  `Tensor.pin_memory()` gives a copy that says it is page-locked (DataLoader pins, since torch.accelerator asks
+  torch.cuda.is_available); every copy to the device is listed in `FakeCuda.copies` (non_blocking, pinned, stream);
 - NVML: a fake `pynvml` module that sees the same GPUs (gpukit.detect, doctor and the Monitor ask it).
 Everything above stays real: get_device_properties, mem_get_info, memory_stats, max_memory_allocated,
 set_per_process_memory_fraction, synchronize, current_stream, stream(), memory._record_memory_history and _snapshot
@@ -58,10 +60,11 @@ class FakeGPU:
     total_memory: int = 80 * GiB
     capability: tuple[int, int] = (9, 0)
     multi_processor_count: int = 132
+    power_w: float = 300.0  # what NVML reports it draws
 
 
 H100 = FakeGPU()
-T4 = FakeGPU("Tesla T4", 16 * GiB, (7, 5), 40)
+T4 = FakeGPU("Tesla T4", 16 * GiB, (7, 5), 40, power_w=60.0)
 
 
 @dataclass
@@ -164,12 +167,21 @@ class FakeCuda:
 
     def set_device(self, index: int) -> None:
         self.current = self._device(index, "_cuda_setDevice")
+        self.lazy_init()  # the C++ binding initialises CUDA (torch::utils::device_lazy_init)
 
     def exchange_device(self, index: int) -> int:
-        """torch.cuda.device(...).__enter__ and __exit__: select `index`, return the previous one (-1: no-op)."""
+        """torch.cuda.device(...).__enter__: select `index`, return the previous one (-1: no-op)."""
         if _index(index, "_cuda_exchangeDevice") < 0:
             return -1
         previous, self.current = self.current, self._device(index, "_cuda_exchangeDevice")
+        self.lazy_init()  # as set_device
+        return previous
+
+    def maybe_exchange_device(self, index: int) -> int:
+        """torch.cuda.device(...).__exit__: back to `index` without initialising anything."""
+        if _index(index, "_cuda_maybeExchangeDevice") < 0:
+            return -1
+        previous, self.current = self.current, self._device(index, "_cuda_maybeExchangeDevice")
         return previous
 
     def synchronize(self) -> None:
@@ -219,7 +231,7 @@ class FakeCuda:
                 f"_cuda_setMemoryFraction(): argument 'fraction' must be float, not {type(fraction).__name__}"
             )
         if not 0 <= fraction <= 1:
-            raise RuntimeError(f"invalid fraction: {fraction}. Please set within [0, 1].")
+            raise RuntimeError(f"invalid fraction:{fraction}. Please set within (0, 1).")  # sic: 0 and 1 are allowed
         allocator.fraction = float(fraction)
 
     def get_fraction(self, index: int) -> float:
@@ -287,6 +299,7 @@ class FakeCuda:
             raise RuntimeError(f"expected stacks to be 'python' or 'all', got {stacks!r}")
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise TypeError(f"max_entries must be a positive int, got {max_entries!r}")
+        self.lazy_init()  # the C++ binding initialises CUDA first (at::globalContext().lazyInitDevice)
         if clear_history or enabled is None:
             for allocator in self.allocators:
                 allocator.trace.clear()
@@ -304,6 +317,10 @@ class FakeCuda:
             if allocator.reserved
         ]  # fmt: skip
         return {"segments": segments, "device_traces": [list(allocator.trace) for allocator in self.allocators]}
+
+    def attach_observer(self, observer) -> None:
+        self.lazy_init()  # as the C++ binding does: observers attach to the devices' allocators, which need it
+        self.observers.append(observer)
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -332,6 +349,8 @@ class FakeCuda:
         # torch.manual_seed seeds every CUDA generator once CUDA is initialised.
         monkeypatch.setattr(torch.cuda, "default_generators", tuple(torch.Generator() for _ in self.gpus))
         monkeypatch.setattr(torch.Tensor, "to", _to)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", _pin_memory)  # DataLoader(pin_memory=True) pins now
+        monkeypatch.setattr(torch.Tensor, "is_pinned", _is_pinned)
         monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(self))
         self._reset_gpukit(monkeypatch)
         return self
@@ -352,7 +371,9 @@ class FakeCuda:
             id(torch.cuda._lazy_init): self.lazy_init,
             id(torch.cuda.device_count): self.device_count,
             id(torch.cuda._exchange_device): self._recorded("_cuda_exchangeDevice", self.exchange_device),
-            id(torch.cuda._maybe_exchange_device): self._recorded("_cuda_maybeExchangeDevice", self.exchange_device),
+            id(torch.cuda._maybe_exchange_device): self._recorded(
+                "_cuda_maybeExchangeDevice", self.maybe_exchange_device
+            ),
             id(torch.cuda.Stream): FakeStream,
             id(torch.cuda.Event): FakeEvent,
         }
@@ -372,7 +393,7 @@ class FakeCuda:
             "_cuda_getDevice": lambda: self.current,
             "_cuda_setDevice": self.set_device,
             "_cuda_exchangeDevice": self.exchange_device,
-            "_cuda_maybeExchangeDevice": self.exchange_device,
+            "_cuda_maybeExchangeDevice": self.maybe_exchange_device,
             "_cuda_synchronize": self.synchronize,
             "_cuda_memoryStats": self.memory_stats,
             "_cuda_resetPeakMemoryStats": self.reset_peak,
@@ -381,7 +402,7 @@ class FakeCuda:
             "_cuda_getMemoryFraction": self.get_fraction,
             "_cuda_record_memory_history": self.record_history,
             "_cuda_memorySnapshot": self.snapshot,
-            "_cuda_attach_out_of_memory_observer": self.observers.append,
+            "_cuda_attach_out_of_memory_observer": self.attach_observer,
             "_cuda_getCurrentStream": self.current_stream,
             "_cuda_getDefaultStream": self.default_stream,
             "_cuda_setStream": self.set_stream,
@@ -560,8 +581,21 @@ def _to(self, *args, **kwargs):
     copy.fake_index = index
     weakref.finalize(copy, fake.free, address, index).atexit = False
     fake.copies.append({"shape": tuple(data.shape), "dtype": data.dtype, "device": index, "non_blocking": non_blocking,
-                        "stream": fake.current_streams[index], "from_device": fake_source})  # fmt: skip
+                        "pinned": _is_pinned(self), "stream": fake.current_streams[index],
+                        "from_device": fake_source})  # fmt: skip
     return copy
+
+
+def _pin_memory(self, device=None):
+    """Tensor.pin_memory under the fake: a copy in ordinary host memory that says it is page-locked."""
+    _fake()._record("pin_memory", tuple(self.shape))
+    pinned = self.clone()
+    pinned.fake_pinned = True
+    return pinned
+
+
+def _is_pinned(self, device=None) -> bool:
+    return getattr(self, "fake_pinned", False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,9 +611,9 @@ class _NVMLHandle:
     index: int
 
 
-def fake_pynvml(fake: FakeCuda, *, power_w: float = 300.0) -> types.ModuleType:
-    """A `pynvml` module that sees the fake GPUs: each draws `power_w`, its energy counter advancing with the host
-    clock. As in NVML, every query before nvmlInit (or after the matching nvmlShutdown) raises Uninitialized."""
+def fake_pynvml(fake: FakeCuda) -> types.ModuleType:
+    """A `pynvml` module that sees the fake GPUs: each draws its `power_w`, its energy counter advancing with the
+    host clock. As in NVML, every query before nvmlInit (or after the matching nvmlShutdown) raises Uninitialized."""
     started = time.perf_counter()
 
     def system(answer):
@@ -629,9 +663,9 @@ def fake_pynvml(fake: FakeCuda, *, power_w: float = 300.0) -> types.ModuleType:
         nvmlDeviceGetCudaComputeCapability=device(lambda index: fake.gpus[index].capability),
         nvmlDeviceGetMemoryInfo=device(memory),
         nvmlDeviceGetUtilizationRates=device(lambda index: types.SimpleNamespace(gpu=87, memory=40)),  # %
-        nvmlDeviceGetPowerUsage=device(lambda index: int(power_w * 1000)),  # mW
+        nvmlDeviceGetPowerUsage=device(lambda index: int(fake.gpus[index].power_w * 1000)),  # mW
         nvmlDeviceGetTotalEnergyConsumption=device(
-            lambda index: int(1e9 + (time.perf_counter() - started) * power_w * 1000)),  # mJ since the driver loaded
+            lambda index: int(1e9 + (time.perf_counter() - started) * fake.gpus[index].power_w * 1000)),  # mJ
         nvmlDeviceGetEnforcedPowerLimit=device(lambda index: 700_000),  # mW
         nvmlDeviceGetPowerManagementDefaultLimit=device(lambda index: 700_000),
         nvmlDeviceGetTemperature=device(lambda index, sensor: 45),  # °C

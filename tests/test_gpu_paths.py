@@ -228,6 +228,14 @@ def test_timeit_brackets_each_call_with_events_and_synchronises_once(fake_cuda):
     assert len(fake_cuda.called("_cuda_synchronize")) == 2  # after the warm-up and before reading: never in between
 
 
+@two_t4
+def test_timeit_on_another_gpu_records_its_events_there(fake_cuda):
+    timing = bench.timeit(lambda: None, device="cuda:1", warmup=0, repeats=2)  # the current device is cuda:0
+    assert len(timing.times) == 2
+    assert [stream.device_index for _, stream in fake_cuda.called("record_event")] == [1, 1, 1, 1]
+    assert torch.cuda.current_device() == 0
+
+
 def test_compare_and_synchronize_on_cuda(fake_cuda):
     timings = bench.compare({"a": lambda: None, "b": lambda: time.sleep(0.002)}, device="cuda", warmup=0, repeats=2)
     assert [len(timing.times) for timing in timings.values()] == [2, 2] and bench.ratios(timings)["a"] == 1.0

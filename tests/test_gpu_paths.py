@@ -373,6 +373,7 @@ def test_detect_and_resolve_device_on_two_t4s(fake_cuda):
 
 def test_cuda_index_is_the_current_device_for_an_index_less_cuda(fake_cuda):
     assert [cuda_index(device) for device in ("cuda", CUDA, None, "cuda:0")] == [0, 0, 0, 0]
+    assert not torch.cuda.is_initialized()  # a notebook can still fork workers after asking
     with pytest.raises(ValueError, match="not a CUDA device"):
         cuda_index("cpu")
 
@@ -432,6 +433,13 @@ def test_monitor_asks_nvml_for_the_gpu_cuda_means(fake_cuda, monkeypatch):
     with Monitor("cuda:0", interval=1.0) as monitor:
         assert monitor.sample()["power_w"] == 60.0
     assert fake_cuda.nvml_initialized == 0
+
+
+@pytest.mark.parametrize("fake_cuda", [[H100, T4]], indirect=True, ids=["H100+T4"])
+def test_monitor_of_cuda_watches_the_current_device(fake_cuda):
+    torch.cuda.set_device(1)  # as a distributed worker does: "cuda" now means cuda:1
+    with Monitor("cuda", interval=1.0) as monitor:
+        assert monitor.sample()["power_w"] == 60.0  # the T4, not the H100 at index 0
 
 
 def test_planner_takes_a_known_gpu_from_its_table(fake_cuda):

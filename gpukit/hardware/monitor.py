@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..doctor import BENIGN_CLOCK_REASONS, decode_clock_reasons
+from ..env import cuda_index
 
 # Grams of CO₂ per kWh of electricity: the world average for 2023 (Ember, Global Electricity
 # Review 2024: about 480 g/kWh). Your grid differs (e.g. ~30 in Sweden, ~700 in India): set yours.
@@ -124,7 +125,7 @@ class Monitor:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         if device.type == "cuda":
-            self._open_nvml(_nvml_index(device.index or 0))
+            self._open_nvml(_nvml_index(cuda_index(device)))  # "cuda" is the current device, cuda:1 in rank 1
         else:
             try:
                 self._rapl = _Rapl(rapl_root if rapl_root is not None else RAPL_ROOT)

@@ -6,16 +6,19 @@ numbers they see are the fake's, so they say nothing about what a GPU measures (
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
 import time
 
 import pytest
 import torch
-from fake_cuda import CONTEXT_BYTES, H100, T4, GiB, MiB
+from fake_cuda import CONTEXT_BYTES, H100, T4, FakeCuda, GiB, MiB
 from torchvision.io import ImageReadMode
 
 import gpukit as gk
 from gpukit import bench, memory
+from gpukit import env as gk_env
 from gpukit.data import CUDAPrefetcher, bottleneck, decoding, prefetch, timeline
 from gpukit.data.formats import encode
 from gpukit.distributed import parallel
@@ -279,6 +282,16 @@ def test_prefetch_copies_the_next_batch_on_a_side_stream(fake_cuda):
     assert len(marked) == 6 and all(stream == compute for _, stream in marked)
 
 
+@two_t4
+def test_prefetch_to_another_gpu_copies_there_and_keeps_the_current_device(fake_cuda):
+    (batch,) = list(prefetch([(torch.zeros(2, 3), torch.zeros(2))], "cuda:1"))
+    assert batch.args[0].device == torch.device("cuda", 1) and {copy["device"] for copy in fake_cuda.copies} == {1}
+    ((compute, side),) = fake_cuda.called("wait_stream")
+    assert compute.device_index == side.device_index == 1 and all(copy["stream"] == side.stream_id
+                                                                    for copy in fake_cuda.copies)  # fmt: skip
+    assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(1).stream_id == 0  # both restored
+
+
 def test_prefetch_elsewhere_is_the_loader_itself(fake_cuda):
     loader = [(torch.zeros(2, 3), torch.zeros(2))]
     assert prefetch(loader, "cpu") is loader
@@ -407,12 +420,20 @@ def test_doctor_reports_the_gpu_from_nvml(fake_cuda, monkeypatch):
     assert (report.device, report.nvml, report.driver_version, report.driver_cuda_version) == (
         "cuda", "ok", "580.159", "13.0")  # fmt: skip
     (gpu,) = report.gpus
-    assert (gpu.name, gpu.memory_total, gpu.memory_used) == ("NVIDIA H100 80GB HBM3", 80 * GiB, CONTEXT_BYTES)
+    assert (gpu.name, gpu.memory_total, gpu.memory_used, gpu.processes) == ("NVIDIA H100 80GB HBM3", 80 * GiB, 0, [])
     assert (gpu.power_draw, gpu.power_limit, gpu.power_limit_default) == (300.0, 700.0, 700.0)  # W
     assert (gpu.persistence_mode, gpu.ecc_errors, gpu.sm_clock, gpu.clock_reasons) == (True, 0, 1980, [])
     assert not any("GPU" in warning for warning in warnings(report))  # a healthy GPU: nothing to say
     assert "NVIDIA H100 80GB HBM3" in str(report)
     assert not torch.cuda.is_initialized() and fake_cuda.nvml_initialized == 0
+
+
+def test_doctor_lists_this_process_on_the_gpu_without_warning_about_it(fake_cuda):
+    fake_cuda.allocate(GiB)  # this process now has a CUDA context and 1 GiB cached on the GPU
+    (gpu,) = gk.doctor().gpus
+    assert [(process.pid, process.used_memory, process.name) for process in gpu.processes] == [
+        (os.getpid(), CONTEXT_BYTES + GiB, "python")]  # fmt: skip
+    assert not any("other process" in warning for warning in warnings(gk.doctor()))
 
 
 def test_monitor_samples_the_gpu_and_shuts_nvml_down(fake_cuda):
@@ -471,3 +492,27 @@ def test_setup_with_nccl_checks_local_rank_against_the_gpus(fake_cuda, monkeypat
     with pytest.raises(ValueError, match="LOCAL_RANK=1 needs GPU cuda:1, but this machine shows 1 GPU"):
         parallel.setup("nccl")
     assert not torch.distributed.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake itself
+
+
+def _cuda_layer() -> tuple:
+    return (
+        torch.cuda.is_available, torch.cuda._lazy_init, torch.cuda.memory._lazy_init, torch.cuda.random.device_count,
+        torch.cuda.Stream, torch.cuda.Event, torch.cuda._cudart, torch.cuda.default_generators,
+        getattr(torch.cuda, "_get_device_properties", None), getattr(torch._C, "_cuda_getDevice", None),
+        torch.Tensor.to, torch.Tensor.pin_memory, sys.modules.get("pynvml"), gk_env._cached_gpus,
+        allocator._watching, allocator._refused,
+    )  # fmt: skip
+
+
+def test_the_fake_is_undone_after_the_test():
+    before = _cuda_layer()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        fake = FakeCuda([T4]).install(monkeypatch)
+        assert torch.cuda.memory._lazy_init == fake.lazy_init and torch.cuda.random.device_count() == 1
+        gk.detect(), allocator.watch_out_of_memory()  # gpukit's own caches of the GPU
+        assert _cuda_layer() != before
+    assert all(now is then for now, then in zip(_cuda_layer(), before, strict=True))

@@ -127,10 +127,11 @@ def _fake() -> FakeCuda:
 class FakeCuda:
     """The fake GPUs' state, and every call torch made to the faked layer (`calls`, `called(name)`)."""
 
-    def __init__(self, gpus: tuple[FakeGPU, ...] | list[FakeGPU] = (H100,)):
+    def __init__(self, gpus: tuple[FakeGPU, ...] | list[FakeGPU] = (H100,), *, allocator_backend: str = "native"):
         if not gpus:
             raise ValueError("a fake CUDA machine needs at least one FakeGPU.")
         self.gpus = list(gpus)
+        self.allocator_backend = allocator_backend  # "cudaMallocAsync": PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
         self.current = 0  # the current device index
         self.initialized = False
         self.contexts: set[int] = set()  # devices this process made a CUDA context on (NVML lists it there)
@@ -338,6 +339,9 @@ class FakeCuda:
 
     def attach_observer(self, observer) -> None:
         self.lazy_init()  # as the C++ binding does: observers attach to the devices' allocators, which need it
+        if self.allocator_backend != "native":  # CUDAMallocAsyncAllocator.cpp says so
+            raise RuntimeError(f"{self.allocator_backend} does not yet support attachOutOfMemoryObserver. "
+                               "If you need it, please file an issue describing your use case.")  # fmt: skip
         self.observers.append(observer)
 
     # -- streams -------------------------------------------------------------------------------
@@ -421,6 +425,7 @@ class FakeCuda:
             "_cuda_record_memory_history": self.record_history,
             "_cuda_memorySnapshot": self.snapshot,
             "_cuda_attach_out_of_memory_observer": self.attach_observer,
+            "_cuda_getAllocatorBackend": lambda: self.allocator_backend,
             "_cuda_getCurrentStream": self.current_stream,
             "_cuda_getDefaultStream": self.default_stream,
             "_cuda_setStream": self.set_stream,

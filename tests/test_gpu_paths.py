@@ -105,6 +105,15 @@ def test_out_of_memory_message_without_a_cap_or_an_observer(fake_cuda):
     assert "optimizer='sgd'" in str(error)
 
 
+def test_out_of_memory_watch_does_not_stop_training_under_the_async_allocator(monkeypatch):
+    # With PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync torch's allocator takes no out-of-memory observer.
+    fake = FakeCuda([H100], allocator_backend="cudaMallocAsync").install(monkeypatch)
+    assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    allocator.watch_out_of_memory()  # fit's first step on CUDA
+    error = allocator.out_of_memory_error(_out_of_memory(fake, 90 * GiB), "backward", CUDA, batch_size=8)
+    assert error.requested is None and "asked for more while" in str(error)  # the message says less, that is all
+
+
 def test_expandable_segments_switches_the_allocator_setting_and_restores_it(fake_cuda):
     torch.cuda.init()  # as after some work on the GPU: there is a cache to empty
     before = allocator._expandable_now()

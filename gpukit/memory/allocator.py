@@ -58,12 +58,17 @@ def watch_out_of_memory() -> None:
     """Have the CUDA allocator report the size of any allocation it refuses, for fit's message.
 
     Attaches an observer once per process (PyTorch offers no way to detach it); it only
-    records four numbers when an allocation fails, and costs nothing otherwise.
+    records four numbers when an allocation fails, and costs nothing otherwise. Allocators
+    without observers (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, a pluggable one) refuse
+    it: the message then leaves out the size asked for.
     """
     global _watching
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if not _watching and attach is not None:
-        attach(_record_refusal)
+        try:
+            attach(_record_refusal)
+        except RuntimeError:  # "cudaMallocAsync does not yet support attachOutOfMemoryObserver"
+            pass
         _watching = True
 
 

@@ -38,8 +38,9 @@ lab: setup
 test: setup
 	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider $(PYTEST_ARGS)
 
+# The unit tests without the slow ones (a browser, strict nbval, the fake GPU's coverage): a few minutes.
 unit: setup
-	$(BIN)/python -m pytest tests/ $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/ -m "not slow" $(PYTEST_ARGS)
 
 notebooks: setup
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks/

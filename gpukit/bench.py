@@ -91,11 +91,13 @@ def timeit(
         fn()
     synchronize(device)
     if device.type == "cuda":
+        # On `device`'s stream: record() alone would use the current device's, another GPU's for "cuda:1".
+        stream = torch.cuda.current_stream(device)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
         for start, end in events:
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
         torch.cuda.synchronize(device)
         return Timing([start.elapsed_time(end) / 1e3 for start, end in events])  # elapsed_time is in ms
     times = []

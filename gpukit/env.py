@@ -400,6 +400,21 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return device
 
 
+def cuda_index(device: str | torch.device | None = None) -> int:
+    """The index of a CUDA device: "cuda:1" → 1; "cuda" (or None) → the current device.
+
+    Some torch.cuda functions (get/set_per_process_memory_fraction, set_device) refuse torch.device("cuda")
+    without an index while the others accept it; gpukit turns a device into an index here before calling them.
+    Never initialises CUDA: until it is initialised (torch.cuda.set_device does), the current device is 0.
+    """
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda":
+        raise ValueError(f"{device} is not a CUDA device; pass 'cuda' or 'cuda:N'.")
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices) so that a run can be repeated."""
     random.seed(seed)

@@ -9,6 +9,9 @@
 - `fresh_global_state` (autouse): every test starts with Python's, NumPy's and torch's generators seeded
   with 0, and leaves them, torch's threads, default dtype, grad mode and matmul/cuDNN flags as it found
   them: tests pass alone, together and in any order.
+- `fake_cuda`: one fake H100 at torch's lowest CUDA layer (tests/fake_cuda.py), undone after the test; other GPUs with
+  `@pytest.mark.parametrize("fake_cuda", [[T4, T4]], indirect=True)`. It checks calls and argument handling, not
+  numbers.
 """
 
 import random
@@ -18,10 +21,14 @@ import pytest
 import torch
 
 from gpukit.data import ImageDataset, shapes
+from tests.fake_cuda import H100, FakeCuda
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line(
+        "markers", "slow: runs for tens of seconds or more (a browser, subprocess suites); make unit skips them"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -100,4 +107,17 @@ def corpus():
     """Byte tokens of real text (this package's own source), split into train and held-out windows of 16."""
     import gpukit
 
-    return gpukit.data.text(gpukit.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")
+    return gpukit.data.tokens(gpukit.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")
+
+
+@pytest.fixture
+def fake_cuda(request, monkeypatch) -> FakeCuda:
+    """A fake CUDA machine (default one H100; `request.param`: a list of FakeGPU) for the test, undone after it.
+
+    It replaces only torch's lowest CUDA layer (C bindings, lazy init, streams, events, NVML), so torch.cuda's own
+    functions and argument checks run as on a GPU; it checks calls and argument handling, not numbers. Measured with
+    tests/gpu_lines.py: tests/test_gpu_paths.py executes 242 of gpukit's 265 GPU-only statements (91%; CUDA-only 170
+    of 181) — the rest need the real CUDA runtime or worker processes on the GPU (see tests/fake_cuda.py). On a
+    machine with a real GPU the fixture patches all the same: the tests see the fake GPU there too.
+    """
+    return FakeCuda(getattr(request, "param", [H100])).install(monkeypatch)

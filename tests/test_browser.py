@@ -37,6 +37,7 @@ except ImportError:
     sync_playwright = None
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium on the PATH (Debian: apt-get install chromium)"),
     pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (pip install -e '.[dev]')"),
     pytest.mark.timeout(900),

@@ -75,6 +75,7 @@ def strict_nbval(*notebooks: Path, cwd: Path, options: tuple[str, ...] = ()) -> 
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
 
 
+@pytest.mark.slow
 def test_a_lesson_passes_strict_nbval_twice_in_a_row(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")  # the kernels inherit this environment
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..env import cuda_index
 from ..plots import plot_monitor
 from ..validation import check_number
 from .clocks import BENIGN_CLOCK_REASONS, clock_reasons
@@ -118,7 +119,7 @@ class Monitor:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         if device.type == "cuda":
-            self._open_nvml(_nvml_index(device.index or 0))
+            self._open_nvml(_nvml_index(cuda_index(device)))  # "cuda" is the current device, cuda:1 in rank 1
         else:
             try:
                 self._rapl = _Rapl(rapl_root if rapl_root is not None else RAPL_ROOT)

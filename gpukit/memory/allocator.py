@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..env import cuda_index
 from ..report import format_bytes
 
 # ---------------------------------------------------------------------------------------------
@@ -57,12 +58,17 @@ def watch_out_of_memory() -> None:
     """Have the CUDA allocator report the size of any allocation it refuses, for fit's message.
 
     Attaches an observer once per process (PyTorch offers no way to detach it); it only
-    records four numbers when an allocation fails, and costs nothing otherwise.
+    records four numbers when an allocation fails, and costs nothing otherwise. Allocators
+    without observers (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, a pluggable one) refuse
+    it: the message then leaves out the size asked for.
     """
     global _watching
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if not _watching and attach is not None:
-        attach(_record_refusal)
+        try:
+            attach(_record_refusal)
+        except RuntimeError:  # "cudaMallocAsync does not yet support attachOutOfMemoryObserver"
+            pass
         _watching = True
 
 
@@ -112,15 +118,16 @@ def out_of_memory_error(error: BaseException, phase: str, device: torch.device, 
     if device.type == "cuda":
         refused = dict(_refused)
         _refused.clear()
-        free, total = torch.cuda.mem_get_info(device)
-        reserved = torch.cuda.memory_reserved(device)
-        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        index = cuda_index(device)  # fit passes torch.device("cuda"), which the memory-fraction functions refuse
+        free, total = torch.cuda.mem_get_info(index)
+        reserved = torch.cuda.memory_reserved(index)
+        fraction = torch.cuda.get_per_process_memory_fraction(index)
         where = "on the GPU"
         if fraction < 1:  # under a cap (limit_gpu_memory), the room left is the cap's, not the device's
-            total = int(fraction * torch.cuda.get_device_properties(device).total_memory)
+            total = int(fraction * torch.cuda.get_device_properties(index).total_memory)
             free, where = min(max(total - reserved, 0), free), "under this process's memory cap"
         facts |= {"free": free, "total": total, "requested": refused.get("requested"),
-                  "allocated": torch.cuda.memory_allocated(device), "reserved": reserved}  # fmt: skip
+                  "allocated": torch.cuda.memory_allocated(index), "reserved": reserved}  # fmt: skip
         asked = f"asked for {format_bytes(facts['requested'])}" if facts["requested"] is not None else "asked for more"
         numbers = (
             f"it {asked} while {format_bytes(free)} of {format_bytes(total)} was free {where}; PyTorch had "
@@ -154,13 +161,14 @@ def free_memory(device: str | torch.device | None = None) -> None:
 
 
 def _cuda_device(device, what: str) -> torch.device:
+    """`device` (default "cuda") with its index: torch's memory-fraction functions refuse one without."""
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(
             f"{what} works on a CUDA GPU, and {'this machine has none' if not torch.cuda.is_available() else f'{device} is not one'}; "
             "without a GPU, plan against a budget instead: gk.memory.max_batch_size(..., budget=bytes, device='cuda')."
         )
-    return device
+    return torch.device("cuda", cuda_index(device))
 
 
 @contextlib.contextmanager
@@ -251,8 +259,7 @@ def record_snapshot(device: str | torch.device | None = None, max_entries: int =
     Draw it with gk.memory.plot_memory_timeline(snapshot), or dump it for https://pytorch.org/memory_viz.
     """
     device = _cuda_device(device, "record_snapshot")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    snapshot = Snapshot(device=index, baseline=torch.cuda.memory_allocated(device))
+    snapshot = Snapshot(device=device.index, baseline=torch.cuda.memory_allocated(device))
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python", device=device)
     try:
         yield snapshot

@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from .env import resolve_device
+from .env import resolve_device, synchronize
 from .hardware.gpus import find_gpu
 from .precision import PRECISIONS, matmul_format
 from .step import Loss, forward_backward
@@ -60,15 +60,6 @@ class Timing:
         if self.median < 1e-3:
             scale, unit = 1e6, "µs"
         return f"{self.median * scale:.3g} {unit} (median of {len(self.times)}, IQR {self.iqr * scale:.2g} {unit})"
-
-
-def synchronize(device: torch.device | str | None) -> None:
-    """Wait for all queued work on `device` (no-op on CPU)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def _check_repeats(warmup: int, repeats: int) -> None:

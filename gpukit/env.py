@@ -415,6 +415,15 @@ def cuda_index(device: str | torch.device | None = None) -> int:
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for all queued work on `device` (no-op on CPU): before reading a clock, or a GPU's memory counters."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices) so that a run can be repeated."""
     random.seed(seed)

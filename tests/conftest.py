@@ -107,7 +107,7 @@ def corpus():
     """Byte tokens of real text (this package's own source), split into train and held-out windows of 16."""
     import gpukit
 
-    return gpukit.data.tokens(gpukit.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")
+    return gpukit.data.text(gpukit.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=40_000, pattern="*.py")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..env import resolve_device
+from ..env import resolve_device, synchronize
 from ..precision import Precision, get_precision
 from ..report import Table
 from ..step import Batch, Loss, TrainStep, split_batch, to_device
@@ -48,11 +48,6 @@ def check_workers(num_workers: int, prefetch_factor: int | None) -> None:
             f"compete for cores and loading gets slower, not faster; try num_workers <= {cores}.",
             stacklevel=3,
         )
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _on_device(raw, device: torch.device) -> Batch:
@@ -200,11 +195,11 @@ def diagnose(
     with precision.flags():
         for _ in range(warmup):
             train_step(first)
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         for _ in range(steps):
             train_step(first)
-        _synchronize(device)
+        synchronize(device)
         step_rate = steps / (time.perf_counter() - started)
 
         # 3. Both together, as fit runs them (host batches copied one step ahead on CUDA: gk.data.prefetch);
@@ -213,13 +208,13 @@ def diagnose(
         batches = _cycle(prefetch(loader, device) if on_host else loader, warmup + steps)
         for index in range(warmup + steps):
             if index == warmup:
-                _synchronize(device)
+                synchronize(device)
                 waited, started = 0.0, time.perf_counter()
             before = time.perf_counter()
             batch = _on_device(next(batches), device)
             waited += time.perf_counter() - before
             train_step(batch)
-        _synchronize(device)
+        synchronize(device)
         elapsed = time.perf_counter() - started
     together_rate = steps / elapsed
     diagnosis = Diagnosis(
@@ -260,13 +255,13 @@ def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int
     first, on_host, started = None, False, time.perf_counter()
     for index, raw in enumerate(_cycle(loader, warmup + steps)):
         if index == warmup:
-            _synchronize(device)
+            synchronize(device)
             started = time.perf_counter()
         if first is None:
             on_host = any(not tensor.is_cuda for tensor in split_batch(raw).tensors())
         batch = _on_device(raw, device)
         first = batch if first is None else first
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - started, first, on_host
 
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..env import synchronize
 from ..report import Table
 from . import vision
 
@@ -129,11 +130,6 @@ def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("nan")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, num_workers: int = 2,
                  repeats: int = 2, gpu: bool | None = None) -> Table:  # fmt: skip
     """images/s of every decode and augment path on the same JPEG bytes (see the module docstring).
@@ -176,7 +172,7 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
         def on_gpu():
             for chunk in batches():
                 decode_batch(chunk, gpu)
-            _sync(gpu)
+            synchronize(gpu)
 
         rows.append({"path": "decode_jpeg, batched", "device": "cuda", "cpu_cores_used": "1 process",
                      "images_per_second": best(on_gpu)})  # fmt: skip
@@ -200,7 +196,7 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
         def augment_on_gpu():
             for chunk in batches():
                 _augment_batch(decode_batch(chunk, gpu), size)
-            _sync(gpu)
+            synchronize(gpu)
 
         rows.append({"path": "decode batched + transforms.v2 on the batch", "device": "cuda",
                      "cpu_cores_used": "1 process", "images_per_second": best(augment_on_gpu)})  # fmt: skip

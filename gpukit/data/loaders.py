@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from .. import env
 from ..env import resolve_device
 from .bottleneck import check_workers
 from .images import ImageDataset
+from .tokens import TextLoader, TokenDataset
 
 
 def random_crop_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator | None) -> torch.Tensor:
@@ -209,3 +210,30 @@ def dataloader(
         drop_last=shuffle if drop_last is None else drop_last,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def loader_for(dataset: Dataset, batch_size: int, device: str | torch.device | None = None, *, shuffle: bool,
+               seed: int = 0, channels_last: bool = False, rank: int = 0, world_size: int = 1,
+               pin_memory: bool | None = None, **options) -> Iterable:  # fmt: skip
+    """The one place a Dataset becomes a loader (fit, evaluate and gk.distributed.sharded_loader call it).
+
+    An ImageDataset gets the device-resident DeviceLoader, a TokenDataset the TextLoader (each with its
+    rank's share), an IterableDataset a plain DataLoader, any other Dataset a DataLoader: shuffled from
+    `seed`, with a DistributedSampler when world_size > 1, in page-locked memory for a CUDA device.
+    `options` go to the DataLoader (num_workers, collate_fn, ...).
+    """
+    device = resolve_device(device)
+    shard = {"rank": rank, "world_size": world_size}
+    if isinstance(dataset, ImageDataset):
+        return DeviceLoader(dataset, batch_size, shuffle=shuffle, device=device, channels_last=channels_last,
+                            seed=seed, **shard)  # fmt: skip
+    if isinstance(dataset, TokenDataset):
+        return TextLoader(dataset, batch_size, shuffle=shuffle, device=device, seed=seed, **shard)
+    pin = device.type == "cuda" if pin_memory is None else pin_memory  # the copy to the GPU can overlap compute
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=batch_size, pin_memory=pin, **options)
+    if world_size > 1:
+        sampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
+        return DataLoader(dataset, batch_size, sampler=sampler, drop_last=shuffle, pin_memory=pin, **options)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, pin_memory=pin,
+                      generator=torch.Generator().manual_seed(seed), **options)  # fmt: skip

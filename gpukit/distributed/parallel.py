@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from .. import env
-from ..data import DeviceLoader, ImageDataset, TextLoader, TokenDataset
+from ..data.loaders import loader_for
 from ..memory.activation_checkpointing import find_blocks
 
 DEFAULT_TIMEOUT_SECONDS = 300.0  # a rank waiting longer than this on a collective raises instead of hanging
@@ -309,14 +309,9 @@ def sharded_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int 
     """This rank's loader: a sharded device-resident loader for an ImageDataset or TokenDataset,
     else a DataLoader with a DistributedSampler. All reshuffle per epoch consistently across ranks
     (fit calls set_epoch)."""
-    if isinstance(dataset, (ImageDataset, TokenDataset)):
-        loader = DeviceLoader if isinstance(dataset, ImageDataset) else TextLoader
-        device = options.pop("device", default_device())
-        return loader(dataset, batch_size, shuffle=shuffle, seed=seed, device=device, **options).for_rank(
-            rank(), world_size()
-        )
-    sampler = DistributedSampler(dataset, world_size(), rank(), shuffle=shuffle, seed=seed, drop_last=shuffle)
-    return DataLoader(dataset, batch_size, sampler=sampler, drop_last=shuffle, **options)
+    device = options.pop("device", default_device())
+    return loader_for(dataset, batch_size, device, shuffle=shuffle, seed=seed, rank=rank(), world_size=world_size(),
+                      **options)  # fmt: skip
 
 
 def average_parameters(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

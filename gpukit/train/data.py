@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from .. import distributed
-from ..data import DeviceLoader, ImageDataset, ShardLoader, TextLoader, TokenDataset
+from ..data import DeviceLoader, ShardLoader, TextLoader
+from ..data.loaders import loader_for
 from ..data.prefetching import prefetch
 from ..step import Batch, split_batch, to_device
 from ..validation import check_int
@@ -41,19 +42,8 @@ def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bo
         check_int("batch_size", batch_size)
         if hasattr(data, "__len__") and len(data) == 0:
             raise ValueError("the dataset is empty; give it at least one example.")
-        pin = device.type == "cuda"  # page-locked host memory: the copy to the GPU can overlap compute
-        if isinstance(data, ImageDataset):
-            return DeviceLoader(
-                data, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed
-            )
-        if isinstance(data, TokenDataset):
-            return TextLoader(data, batch_size, shuffle=shuffle, device=device, seed=seed)
-        if isinstance(data, IterableDataset):
-            return DataLoader(data, batch_size=batch_size, pin_memory=pin)
-        if shard and distributed.world_size() > 1:
-            return distributed.sharded_loader(data, batch_size, shuffle=shuffle, seed=seed, pin_memory=pin)
-        return DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, pin_memory=pin,
-                          generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        ranks = {"rank": distributed.rank(), "world_size": distributed.world_size()} if shard else {}
+        return loader_for(data, batch_size, device, shuffle=shuffle, seed=seed, channels_last=channels_last, **ranks)
     if isinstance(data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(
             f"expected a Dataset, a DataLoader, a DeviceLoader or TextLoader, or a re-iterable of batches (a list, "

@@ -43,8 +43,11 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=2**10)
     parser.add_argument("--max-bytes", type=int, default=2**24)
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per size (median)")
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        help="cuda: one process per GPU over NCCL (2 GPUs or more); cpu: processes over gloo")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="cuda: one process per GPU over NCCL (2 GPUs or more); cpu: processes over gloo",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     try:
@@ -72,8 +75,14 @@ def main() -> None:
     )
     print(f"{result['device']}, torch {torch.__version__}, {datetime.date.today()}")
     if args.json:
-        save_tables(args.json, [table], device=result["device"], world_size=world_size,
-                    link_bandwidth_GBps=bandwidth / 1e9, latency_us_per_ring_step=latency * 1e6)  # fmt: skip
+        save_tables(
+            args.json,
+            [table],
+            device=result["device"],
+            world_size=world_size,
+            link_bandwidth_GBps=bandwidth / 1e9,
+            latency_us_per_ring_step=latency * 1e6,
+        )
 
 
 if __name__ == "__main__":

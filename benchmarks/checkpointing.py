@@ -79,14 +79,22 @@ def main() -> None:
         time_ratios = gk.bench.ratios(timings, baseline="plain")
         for strategy in STRATEGIES:
             saved_ratio = parts["plain"].activations / parts[strategy].activations
-            rows.append({
-                "model": model_name, "regions": f"{strategy} ({len(plans[strategy].regions)})",
-                "saved, plain (MiB)": parts["plain"].activations / 2**20,
-                "saved, checkpointed (MiB)": parts[strategy].activations / 2**20, "saved ÷": saved_ratio,
-                "peak, plain (MiB)": parts["plain"].total / 2**20, "peak, checkpointed (MiB)": parts[strategy].total / 2**20,
-                "step plain (ms)": 1e3 * timings["plain"].median, "step checkpointed (ms)": 1e3 * timings[strategy].median,
-                "time ×": time_ratios[strategy], "≥3× less saved": saved_ratio >= 3, "≤1.35× time": time_ratios[strategy] <= 1.35,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": model_name,
+                    "regions": f"{strategy} ({len(plans[strategy].regions)})",
+                    "saved, plain (MiB)": parts["plain"].activations / 2**20,
+                    "saved, checkpointed (MiB)": parts[strategy].activations / 2**20,
+                    "saved ÷": saved_ratio,
+                    "peak, plain (MiB)": parts["plain"].total / 2**20,
+                    "peak, checkpointed (MiB)": parts[strategy].total / 2**20,
+                    "step plain (ms)": 1e3 * timings["plain"].median,
+                    "step checkpointed (ms)": 1e3 * timings[strategy].median,
+                    "time ×": time_ratios[strategy],
+                    "≥3× less saved": saved_ratio >= 3,
+                    "≤1.35× time": time_ratios[strategy] <= 1.35,
+                }
+            )
     table = gk.Table(rows, title="activation checkpointing (median step times, plain and both strategies interleaved)")
     print(table)
     if args.json:

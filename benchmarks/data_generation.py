@@ -33,8 +33,10 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     device = gk.resolve_device(args.device)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-          f"{datetime.date.today()}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+        f"{datetime.date.today()}"
+    )
     torch.zeros(1, device=device)  # initialise the device (CUDA: seconds) before anything is timed
     rows = []
     for size in args.sizes:

@@ -32,17 +32,23 @@ from gpukit.bench import synchronize
 from gpukit.report import save_tables
 
 
-def hand_written_loop(model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device,
-                      kind: str) -> None:  # fmt: skip
+def hand_written_loop(
+    model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device, kind: str
+) -> None:
     """The loop a PyTorch user writes: autocast forward, backward, optimizer step, one-cycle schedule."""
     if kind == "cnn":
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=steps + 1, pct_start=0.2 * steps / (steps + 1),
-        cycle_momentum=False, div_factor=25.0, final_div_factor=1e4,
-    )  # fmt: skip
+        optimizer,
+        max_lr=lr,
+        total_steps=steps + 1,
+        pct_start=0.2 * steps / (steps + 1),
+        cycle_momentum=False,
+        div_factor=25.0,
+        final_div_factor=1e4,
+    )
     model.train()
     loader.set_epoch(0)
     for step, (inputs, target) in enumerate(loader):
@@ -57,10 +63,20 @@ def hand_written_loop(model, loader, steps: int, lr: float, dtype: torch.dtype |
             break
 
 
-def gpukit_loop(model, loader, steps: int, lr: float, precision: str, device: torch.device, progress: bool,
-                kind: str) -> None:  # fmt: skip
-    gk.fit(model, loader, epochs=1, max_steps=steps, lr=lr, precision=precision, device=device, progress=progress,
-           optimizer="sgd" if kind == "cnn" else "adamw")  # fmt: skip
+def gpukit_loop(
+    model, loader, steps: int, lr: float, precision: str, device: torch.device, progress: bool, kind: str
+) -> None:
+    gk.fit(
+        model,
+        loader,
+        epochs=1,
+        max_steps=steps,
+        lr=lr,
+        precision=precision,
+        device=device,
+        progress=progress,
+        optimizer="sgd" if kind == "cnn" else "adamw",
+    )
 
 
 def setup(kind: str, args, device: torch.device):
@@ -110,19 +126,29 @@ def measure(kind: str, precision: str, args, device: torch.device) -> dict:
     for name, times in step_times.items():
         median = statistics.median(times)
         q1, _, q3 = statistics.quantiles(times, n=4)
-        rows.append({
-            "model": kind, "precision": precision, "loop": name, "median_step_ms": median * 1e3,
-            "iqr_ms": (q3 - q1) * 1e3, "ratio": median / hand, "overhead_us_per_step": (median - hand) * 1e6,
-            "samples_per_s": samples / median,
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": kind,
+                "precision": precision,
+                "loop": name,
+                "median_step_ms": median * 1e3,
+                "iqr_ms": (q3 - q1) * 1e3,
+                "ratio": median / hand,
+                "overhead_us_per_step": (median - hand) * 1e6,
+                "samples_per_s": samples / median,
+            }
+        )
     result = {"rows": rows, "max_parameter_difference": worst}
     if kind == "gpt":
         batch = next(iter(loader))
         flops = gk.bench.flops_per_step(initial, batch)
         tokens = batch[1].numel()
         fit_step = statistics.median(step_times["gpukit.fit"])
-        result["gpt"] = {"tokens_per_s": tokens / fit_step, "flops_per_token": flops / tokens,
-                         "achieved_tflops": flops / fit_step / 1e12}  # fmt: skip
+        result["gpt"] = {
+            "tokens_per_s": tokens / fit_step,
+            "flops_per_token": flops / tokens,
+            "achieved_tflops": flops / fit_step / 1e12,
+        }
     return result
 
 
@@ -165,10 +191,17 @@ def main() -> None:
             if "gpt" in result:
                 peak, source = device_peak(device, precision)
                 gpt = result["gpt"]
-                gpt_rows.append({"precision": precision, "tokens_per_s": gpt["tokens_per_s"],
-                                 "flops_per_token": gpt["flops_per_token"], "achieved_tflops": gpt["achieved_tflops"],
-                                 "peak_tflops": peak, "peak": source,
-                                 "mfu": gpt["achieved_tflops"] / peak if peak else None})  # fmt: skip
+                gpt_rows.append(
+                    {
+                        "precision": precision,
+                        "tokens_per_s": gpt["tokens_per_s"],
+                        "flops_per_token": gpt["flops_per_token"],
+                        "achieved_tflops": gpt["achieved_tflops"],
+                        "peak_tflops": peak,
+                        "peak": source,
+                        "mfu": gpt["achieved_tflops"] / peak if peak else None,
+                    }
+                )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(
         f"\nCNN width {args.width}, batch {args.batch_size}; GPT width {args.gpt_width}, depth {args.gpt_depth}, "

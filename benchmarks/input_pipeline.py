@@ -53,14 +53,17 @@ def formats_table(images: int, rounds: int, batch_size: int, folder: Path) -> gk
                     results.setdefault((name, cold, batch), []).append(row)
     rows = []
     for (name, cold, batch), runs in results.items():
-        rows.append({
-            "format": name, "cache": "cold" if cold else "warm",
-            "read": "per sample" if batch is None else f"batches of {batch}",
-            "samples_per_second": statistics.median(run["samples_per_second"] for run in runs),
-            "megabytes_per_second": statistics.median(run["megabytes_per_second"] for run in runs),
-            "on_disk": gk.format_bytes(runs[0]["bytes_on_disk"]),
-            "max_resident_before": max(run["resident_before"] for run in runs) if cold and can_evict() else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "format": name,
+                "cache": "cold" if cold else "warm",
+                "read": "per sample" if batch is None else f"batches of {batch}",
+                "samples_per_second": statistics.median(run["samples_per_second"] for run in runs),
+                "megabytes_per_second": statistics.median(run["megabytes_per_second"] for run in runs),
+                "on_disk": gk.format_bytes(runs[0]["bytes_on_disk"]),
+                "max_resident_before": max(run["resident_before"] for run in runs) if cold and can_evict() else None,
+            }
+        )
     return gk.Table(rows, title=f"reading {images} images of 32×32, median of {rounds} interleaved rounds")
 
 
@@ -69,8 +72,9 @@ def decode_table(count: int, size: int, batch_size: int, workers: int, gpu: bool
     large = torch.nn.functional.interpolate(dataset.images.float(), size=size, mode="bilinear")
     jpegs = [encode(image, "jpeg", 90) for image in large.round().clamp(0, 255).to(torch.uint8)]
     print(f"{count} JPEGs of {size}×{size}, {sum(map(len, jpegs)) / count / 1e3:.1f} kB each")
-    return gk.data.decode_table(jpegs, size=size * 3 // 4, batch_size=batch_size, num_workers=workers, repeats=3,
-                                gpu=gpu)  # fmt: skip
+    return gk.data.decode_table(
+        jpegs, size=size * 3 // 4, batch_size=batch_size, num_workers=workers, repeats=3, gpu=gpu
+    )
 
 
 def main() -> None:
@@ -82,17 +86,23 @@ def main() -> None:
     parser.add_argument("--decode-size", type=int, default=128, help="pixels per side of the decoded JPEGs")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--folder", type=Path, default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="the decoding rows: cuda needs a GPU, cpu skips the CUDA rows (default: cuda where present)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="the decoding rows: cuda needs a GPU, cpu skips the CUDA rows (default: cuda where present)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     gpu = None if args.device is None else args.device == "cuda"
     if gpu and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU and there is none here; use --device cpu.")
 
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-          f"CUDA GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
-          f"load average {os.getloadavg()[0]:.1f} at the start")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"CUDA GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
+        f"load average {os.getloadavg()[0]:.1f} at the start"
+    )
     folder = args.folder or Path(tempfile.mkdtemp(prefix="gpukit-input-"))
     try:
         tables = [formats_table(args.images, args.rounds, args.batch_size, folder)]

@@ -58,7 +58,7 @@ def run_case(build, size, batch_size, precision, optimizer, device) -> dict:
         "error %": 100 * (predicted.total - measured.total) / measured.total,
         "activations equal": difference == 0,
         "note": note,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

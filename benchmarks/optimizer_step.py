@@ -54,8 +54,13 @@ def measure(build, batch, device: torch.device, repeats: int) -> list[dict]:
         measured = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         predicted = gk.memory.optimizer_state_bytes(model, name)
         parameter_bytes = sum(p.nbytes for p in model.parameters())
-        rows.append({"optimizer": name, "state ÷ parameters": measured / parameter_bytes,
-                     "prediction exact": measured == predicted})  # fmt: skip
+        rows.append(
+            {
+                "optimizer": name,
+                "state ÷ parameters": measured / parameter_bytes,
+                "prediction exact": measured == predicted,
+            }
+        )
         steps[name] = optimizer.step
     timings = gk.bench.compare(steps, device=device, warmup=3, repeats=repeats)
     for row in rows:

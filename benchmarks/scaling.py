@@ -66,8 +66,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="images per worker and step (default: 64)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     parser.add_argument("--interconnect", default="100 Gb/s InfiniBand", choices=sorted(costmodel.INTERCONNECTS))
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        help="cuda: one process per GPU over NCCL (2 GPUs or more); cpu: processes over gloo")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="cuda: one process per GPU over NCCL (2 GPUs or more); cpu: processes over gloo",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     try:
@@ -106,10 +109,13 @@ def main() -> None:
         for a, b in zip(here, there)
     ]
     tables.append(
-        gk.Table(rows, title=f"predicted efficiency (compute {compute_time * 1e3:.1f} ms/step, "
-                 f"gradients {gk.format_bytes(result['gradient_bytes'])}; link here {bandwidth / 1e9:.2f} GB/s, "
-                 f"{latency * 1e6:.0f} µs)")
-    )  # fmt: skip
+        gk.Table(
+            rows,
+            title=f"predicted efficiency (compute {compute_time * 1e3:.1f} ms/step, "
+            f"gradients {gk.format_bytes(result['gradient_bytes'])}; link here {bandwidth / 1e9:.2f} GB/s, "
+            f"{latency * 1e6:.0f} µs)",
+        )
+    )
     print(tables[-1])
     print(f"\n{result['device']}, torch {torch.__version__}, {datetime.date.today()}")
     if args.json:

@@ -15,11 +15,35 @@ from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit, 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRECISIONS", "PROFILES", "CheckpointError", "Env", "History", "NonFiniteLossError", "Precision", "Profile",
-    "Table", "bench", "data", "detect", "distributed", "doctor", "evaluate", "fit", "format_bytes",
-    "get_precision", "hardware", "lr_find", "memory", "models", "optim", "plots", "resolve_device",
-    "seed_everything", "step", "train",
-]  # fmt: skip
+    "PRECISIONS",
+    "PROFILES",
+    "CheckpointError",
+    "Env",
+    "History",
+    "NonFiniteLossError",
+    "Precision",
+    "Profile",
+    "Table",
+    "bench",
+    "data",
+    "detect",
+    "distributed",
+    "doctor",
+    "evaluate",
+    "fit",
+    "format_bytes",
+    "get_precision",
+    "hardware",
+    "lr_find",
+    "memory",
+    "models",
+    "optim",
+    "plots",
+    "resolve_device",
+    "seed_everything",
+    "step",
+    "train",
+]
 
 # gk.checkpointing was activation checkpointing; "checkpoint" alone now means saved training state.
 __getattr__ = renamed(__name__, {"checkpointing": "gpukit.memory:activation_checkpointing"})

@@ -417,8 +417,11 @@ def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
     power_default = ask("nvmlDeviceGetPowerManagementDefaultLimit")  # mW
     persistence = ask("nvmlDeviceGetPersistenceMode")  # NVML_FEATURE_ENABLED (1) or DISABLED (0)
     # Uncorrected errors since the driver loaded; NotSupported (None) on GPUs without ECC.
-    ecc = ask("nvmlDeviceGetTotalEccErrors", getattr(pynvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
-              getattr(pynvml, "NVML_VOLATILE_ECC", 0))  # fmt: skip
+    ecc = ask(
+        "nvmlDeviceGetTotalEccErrors",
+        getattr(pynvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+        getattr(pynvml, "NVML_VOLATILE_ECC", 0),
+    )
     # The newer name first; older bindings and drivers have only the "throttle" one.
     mask = ask("nvmlDeviceGetCurrentClocksEventReasons")
     if mask is None:

@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         "images_per_second=… for images, eval_loss=… tokens_per_second=… for text. Sizes left out come from the "
         "run profile (gpukit.detect(); override with GPUKIT_PROFILE).",
     )
-    train.add_argument("--dataset", choices=DATASETS, default="shapes",
-                       help="shapes (synthetic), cifar10, folder (your images in class folders), text (byte tokens)")  # fmt: skip
+    train.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="shapes",
+        help="shapes (synthetic), cifar10, folder (your images in class folders), text (byte tokens)",
+    )
     train.add_argument(
         "--data-dir",
         help="cifar10: where it is kept (default: data); folder: the folder of class subfolders (required); "
@@ -102,8 +106,11 @@ def _add_gpu_check(commands) -> None:
         f"benchmarks/RESULTS.md and print a summary. Exit code 0, {gpucheck.EXIT_FAILED} if something failed, "
         f"{gpucheck.EXIT_NO_GPU} where there is no CUDA GPU (then nothing runs).",
     )
-    check.add_argument("--steps", default=",".join(gpucheck.STEPS),
-                       help=f"comma-separated, of {','.join(gpucheck.STEPS)} (default: all)")  # fmt: skip
+    check.add_argument(
+        "--steps",
+        default=",".join(gpucheck.STEPS),
+        help=f"comma-separated, of {','.join(gpucheck.STEPS)} (default: all)",
+    )
     check.add_argument("--results", type=Path, help="the Markdown file to append to (default: benchmarks/RESULTS.md)")
     check.add_argument("--log-dir", type=Path, help="default: runs/gpu-check/DATE-TIME in the checkout")
     check.set_defaults(handler=lambda args: gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir))
@@ -156,8 +163,9 @@ def _data(args: argparse.Namespace, sizes: dict[str, int], device):
 def _model(args: argparse.Namespace, sizes: dict[str, int], classes: int):
     if args.model == "gpt":
         profile = detect().profile
-        return models.gpt(max_seq_len=sizes["--seq-len"], width=sizes["--width"], depth=profile.gpt_depth,
-                          heads=profile.gpt_heads)  # fmt: skip
+        return models.gpt(
+            max_seq_len=sizes["--seq-len"], width=sizes["--width"], depth=profile.gpt_depth, heads=profile.gpt_heads
+        )
     if args.model == "resnet18":
         return models.resnet18(classes)
     return models.fast_cnn(sizes["--width"], classes)

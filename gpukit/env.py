@@ -49,14 +49,23 @@ class Profile:
 
 PROFILES = {
     # CI and tests: a 2-core CPU, each notebook well under 90 s.
-    "tiny": Profile("tiny", 8192, 1024, 4, 8, 64, (16, 32, 64, 128), 5, 512,
-                    text_bytes=1_000_000, seq_len=64, gpt_width=64, gpt_depth=2, gpt_heads=4, gpt_steps=150),
+    "tiny": Profile(
+        name="tiny", train_size=8192, test_size=1024, epochs=4, width=8, batch_size=64,
+        batch_sizes=(16, 32, 64, 128), bench_repeats=5, matmul_size=512,
+        text_bytes=1_000_000, seq_len=64, gpt_width=64, gpt_depth=2, gpt_heads=4, gpt_steps=150,
+    ),
     # A laptop without a GPU: minutes per lesson.
-    "cpu": Profile("cpu", 20_000, 5_000, 8, 32, 128, (16, 32, 64, 128, 256), 10, 1024,
-                   text_bytes=4_000_000, seq_len=128, gpt_width=128, gpt_depth=4, gpt_heads=4, gpt_steps=600),
+    "cpu": Profile(
+        name="cpu", train_size=20_000, test_size=5_000, epochs=8, width=32, batch_size=128,
+        batch_sizes=(16, 32, 64, 128, 256), bench_repeats=10, matmul_size=1024,
+        text_bytes=4_000_000, seq_len=128, gpt_width=128, gpt_depth=4, gpt_heads=4, gpt_steps=600,
+    ),
     # Full size on a CUDA GPU.
-    "gpu": Profile("gpu", 50_000, 10_000, 10, 64, 256, (32, 64, 128, 256, 512, 1024), 20, 8192,
-                   text_bytes=None, seq_len=256, gpt_width=384, gpt_depth=6, gpt_heads=6, gpt_steps=2000),
+    "gpu": Profile(
+        name="gpu", train_size=50_000, test_size=10_000, epochs=10, width=64, batch_size=256,
+        batch_sizes=(32, 64, 128, 256, 512, 1024), bench_repeats=20, matmul_size=8192,
+        text_bytes=None, seq_len=256, gpt_width=384, gpt_depth=6, gpt_heads=6, gpt_steps=2000,
+    ),
 }  # fmt: skip
 
 

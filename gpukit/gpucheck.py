@@ -111,8 +111,13 @@ def _nvml_identity() -> tuple[list[str], str] | None:
 
 def _nvidia_smi_identity() -> tuple[list[str], str] | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):  # not installed, no driver, hung
         return None
     rows = [[part.strip() for part in line.split(",")] for line in out.splitlines() if "," in line]
@@ -143,8 +148,15 @@ def no_gpu_message() -> str | None:
 def describe_machine(root: Path) -> Machine:
     names, driver = gpu_identity() or ([gpu.name for gpu in detect().gpus], "unknown")
     commit = git_commit(root)
-    return Machine(names or ["unknown GPU"], driver, torch.version.cuda, torch.__version__,
-                   platform.python_version(), commit and commit[:12], datetime.date.today().isoformat())  # fmt: skip
+    return Machine(
+        names or ["unknown GPU"],
+        driver,
+        torch.version.cuda,
+        torch.__version__,
+        platform.python_version(),
+        commit and commit[:12],
+        datetime.date.today().isoformat(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,8 +194,9 @@ def run_command(
     Returns (status "pass" | "fail" | "timeout", exit code or None after a timeout, wall seconds)."""
     started = time.perf_counter()
     with open(log, "w") as output:
-        process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # its own process group: a timeout stops it all  # fmt: skip
+        process = subprocess.Popen(
+            command, cwd=cwd, env=environment, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )  # its own process group: a timeout stops it all
         try:
             code = process.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -266,10 +279,23 @@ def describe_counts(counts: Counter) -> str:
 def run_tests(root: Path, logs: Path, seconds: float = TESTS_SECONDS) -> StepResult:
     """`pytest -m gpu tests/`, with the counts of each test file."""
     junit = logs / "tests.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", "-o", f"timeout={min(120, int(seconds))}"]  # fmt: skip
-    status, code, elapsed = run_command(command, cwd=root, environment=child_environment(root), seconds=seconds,
-                                        log=logs / "tests.log")  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "tests/",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "-o",
+        f"timeout={min(120, int(seconds))}",
+    ]
+    status, code, elapsed = run_command(
+        command, cwd=root, environment=child_environment(root), seconds=seconds, log=logs / "tests.log"
+    )
     counts = junit_counts(junit)
     total = sum(counts.values(), Counter())
     if status == "timeout":
@@ -293,8 +319,9 @@ def run_lessons(root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, rep
     environment = child_environment(root, GPUKIT_PROFILE="gpu")
     # One clear failure, not ten alike, where nbval or the kernel cannot even be imported (a missing wheel).
     command = [sys.executable, "-c", "import nbval.plugin, ipykernel.kernelapp"]
-    status, _, elapsed = run_command(command, cwd=root, environment=environment, seconds=120,
-                                     log=logs / "lessons-imports.log")  # fmt: skip
+    status, _, elapsed = run_command(
+        command, cwd=root, environment=environment, seconds=120, log=logs / "lessons-imports.log"
+    )
     if status != "pass":
         problem = last_line(logs / "lessons-imports.log")
         result = StepResult("lesson", "(all)", "fail", elapsed, f"nbval or ipykernel does not import: {problem}")
@@ -308,11 +335,24 @@ def run_lessons(root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, rep
             report(summary_row(results[-1]))
             continue
         junit = logs / f"{name}.xml"
-        command = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", str(notebook),
-                   f"--nbval-cell-timeout={min(CELL_SECONDS, int(limit))}", "-o", f"timeout={int(limit)}",
-                   "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]  # fmt: skip
-        status, _, elapsed = run_command(command, cwd=root, environment=environment, seconds=limit,
-                                         log=logs / f"{name}.log")  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--nbval-lax",
+            "--nbval-current-env",
+            str(notebook),
+            f"--nbval-cell-timeout={min(CELL_SECONDS, int(limit))}",
+            "-o",
+            f"timeout={int(limit)}",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+        ]
+        status, _, elapsed = run_command(
+            command, cwd=root, environment=environment, seconds=limit, log=logs / f"{name}.log"
+        )
         cells = sum(junit_counts(junit).values(), Counter())
         if status == "timeout":  # nbval may have failed a cell by its own timeout before we stopped it
             detail = "; ".join(filter(None, [f"stopped after {limit:.0f} s", first_failure(junit)]))
@@ -343,8 +383,15 @@ def _benchmark_result(
 
 
 def benchmark_command(script: Path, figures_path: Path) -> list[str]:
-    return [sys.executable, str(script), "--device", "cuda", "--json", str(figures_path),
-            *BENCHMARK_ARGS.get(script.name, [])]  # fmt: skip
+    return [
+        sys.executable,
+        str(script),
+        "--device",
+        "cuda",
+        "--json",
+        str(figures_path),
+        *BENCHMARK_ARGS.get(script.name, []),
+    ]
 
 
 def run_benchmarks(root: Path, logs: Path, seconds: float = BENCHMARKS_SECONDS, *, report=print) -> list[StepResult]:
@@ -358,8 +405,9 @@ def run_benchmarks(root: Path, logs: Path, seconds: float = BENCHMARKS_SECONDS, 
             results.append(StepResult("benchmark", name, "not run", 0.0, f"the benchmarks' {seconds:.0f} s were spent"))
         else:
             figures_path, log = logs / f"{name}.json", logs / f"{name}.log"
-            status, _, elapsed = run_command(benchmark_command(script, figures_path), cwd=root,
-                                             environment=environment, seconds=limit, log=log)  # fmt: skip
+            status, _, elapsed = run_command(
+                benchmark_command(script, figures_path), cwd=root, environment=environment, seconds=limit, log=log
+            )
             results.append(_benchmark_result(name, status, elapsed, limit, figures_path, log))
         report(summary_row(results[-1]))
     return results
@@ -394,10 +442,15 @@ def _tests_markdown(result: StepResult) -> list[str]:
 
 
 def _lessons_markdown(results: list[StepResult]) -> list[str]:
-    lines = [f"### Lessons in the `gpu` profile (nbval `--nbval-lax`, at most {CELL_SECONDS} s per cell, "
-             f"{LESSON_SECONDS} s per lesson)", ""]  # fmt: skip
-    rows = [{"lesson": r.name, "result": r.status, "seconds": round(r.seconds), "cells, or the first failure": r.detail}
-            for r in results]  # fmt: skip
+    lines = [
+        f"### Lessons in the `gpu` profile (nbval `--nbval-lax`, at most {CELL_SECONDS} s per cell, "
+        f"{LESSON_SECONDS} s per lesson)",
+        "",
+    ]
+    rows = [
+        {"lesson": r.name, "result": r.status, "seconds": round(r.seconds), "cells, or the first failure": r.detail}
+        for r in results
+    ]
     return lines + markdown_table(["lesson", "result", "seconds", "cells, or the first failure"], rows) + [""]
 
 
@@ -420,8 +473,15 @@ def _benchmark_markdown(result: StepResult) -> list[str]:
 def results_section(machine: Machine, results: list[StepResult], seconds: float) -> str:
     """The Markdown section for benchmarks/RESULTS.md, headed with the GPU's name and the date."""
     lines = [f"## GPU: {machine.gpu}, {machine.date} (`make gpu-check`)", ""]
-    facts = {"GPU": machine.gpu, "driver": machine.driver, "CUDA (torch's build)": machine.cuda,
-             "torch": machine.torch, "Python": machine.python, "commit": machine.commit, "the check took": _minutes(seconds)}  # fmt: skip
+    facts = {
+        "GPU": machine.gpu,
+        "driver": machine.driver,
+        "CUDA (torch's build)": machine.cuda,
+        "torch": machine.torch,
+        "Python": machine.python,
+        "commit": machine.commit,
+        "the check took": _minutes(seconds),
+    }
     lines += markdown_table(list(facts), [facts]) + [""]
     failed = [f"{r.kind} {r.name}" for r in results if r.failed]
     lines += [f"Failed: {', '.join(failed)}." if failed else "Everything that ran passed.", ""]
@@ -452,8 +512,10 @@ def summary_row(result: StepResult, width: int = 120) -> str:
 
 def summary(machine: Machine, results: list[StepResult], seconds: float, results_path: Path | None, logs: Path) -> str:
     """len(results) + 4 lines: the machine, a line per test step, lesson and benchmark, the verdict, where to look."""
-    lines = [f"gpu-check on {machine.gpu}: driver {machine.driver}, CUDA {machine.cuda}, torch {machine.torch}, "
-             f"Python {machine.python}"]  # fmt: skip
+    lines = [
+        f"gpu-check on {machine.gpu}: driver {machine.driver}, CUDA {machine.cuda}, torch {machine.torch}, "
+        f"Python {machine.python}"
+    ]
     lines += [summary_row(result) for result in results]
     failed = [f"{r.kind} {r.name}" for r in results if r.failed]
     verdict = f"FAILED {len(failed)} of {len(results)}: {', '.join(failed)}" if failed else "all passed or skipped"

@@ -340,5 +340,13 @@ def gpt(
     Parameters: vocab_size·width (embedding and head, tied) + max_seq_len·width (learned
     positions only) + depth·(4 + 2·mlp_ratio)·width² (attention and MLP) + LayerNorms.
     """
-    return GPT(vocab_size, max_seq_len=max_seq_len, width=width, depth=depth, heads=heads, positions=positions,
-               mlp_ratio=mlp_ratio, dropout=dropout)  # fmt: skip
+    return GPT(
+        vocab_size,
+        max_seq_len=max_seq_len,
+        width=width,
+        depth=depth,
+        heads=heads,
+        positions=positions,
+        mlp_ratio=mlp_ratio,
+        dropout=dropout,
+    )

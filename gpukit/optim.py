@@ -35,8 +35,18 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagra
 DEFAULT_LR = 0.05  # fit's peak learning rate for the SGD family given by name
 # fit's peak learning rate for each name when none is given: the SGD family steps in the
 # gradient's units, the adaptive ones in units of about one lr per coordinate, hence far smaller.
-DEFAULT_LRS = {"sgd": DEFAULT_LR, "momentum": DEFAULT_LR, "nesterov": DEFAULT_LR, "lars": 1.0, "adam": 1e-3,
-               "adamw": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-2, "lamb": 1e-2, "muon": 1e-3}  # fmt: skip
+DEFAULT_LRS = {
+    "sgd": DEFAULT_LR,
+    "momentum": DEFAULT_LR,
+    "nesterov": DEFAULT_LR,
+    "lars": 1.0,
+    "adam": 1e-3,
+    "adamw": 1e-3,
+    "rmsprop": 1e-3,
+    "adagrad": 1e-2,
+    "lamb": 1e-2,
+    "muon": 1e-3,
+}
 NO_DECAY_BY_DEFAULT = ("adamw", "lamb", "lars", "muon")  # names whose 1-D parameters are not decayed
 OPTIONAL_EXTRA = "pip install 'gpukit[optim]' (or pip install timm)"
 MUON_TORCH = "2.9"
@@ -48,9 +58,11 @@ def check_lr(lr) -> None:
 
 def check_weight_decay(weight_decay) -> None:
     if (
-        not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool)
-        or not math.isfinite(weight_decay) or weight_decay < 0
-    ):  # fmt: skip
+        not isinstance(weight_decay, (int, float))
+        or isinstance(weight_decay, bool)
+        or not math.isfinite(weight_decay)
+        or weight_decay < 0
+    ):
         raise ValueError(f"weight_decay must be a finite number >= 0 (0 turns it off), got {weight_decay!r}.")
 
 
@@ -141,8 +153,12 @@ def optimizer_class_and_options(name: str) -> tuple[type[torch.optim.Optimizer],
         return _timm("lamb"), {}
     if name == "muon":
         raise ValueError("'muon' is two optimizers (Muon and AdamW), not one class; build it with make_optimizer.")
-    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
-               "adagrad": torch.optim.Adagrad}  # fmt: skip
+    classes = {
+        "adam": torch.optim.Adam,
+        "adamw": torch.optim.AdamW,
+        "rmsprop": torch.optim.RMSprop,
+        "adagrad": torch.optim.Adagrad,
+    }
     return classes[name], {}
 
 
@@ -219,8 +235,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
     @property
     def state(self) -> dict:
         """Both optimizers' state, keyed by the model's parameters (Muon's momentum, AdamW's moments)."""
-        merged = {p: self.muon.state[view] for p, view in zip(self.param_groups[0]["params"], self._views)
-                  if view in self.muon.state}  # fmt: skip
+        merged = {
+            p: self.muon.state[view]
+            for p, view in zip(self.param_groups[0]["params"], self._views)
+            if view in self.muon.state
+        }
         return merged | dict(self.adamw.state)
 
     @state.setter
@@ -244,8 +263,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(),
-                "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}  # fmt: skip
+        return {
+            "muon": self.muon.state_dict(),
+            "adamw": self.adamw.state_dict(),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.muon.load_state_dict(state_dict["muon"])
@@ -289,9 +311,15 @@ def make_schedule(
     if schedule == "onecycle":
         peak = [group["lr"] for group in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=peak, total_steps=total_steps + 1, pct_start=max(warmup_steps / (total_steps + 1), 1e-6),
-            anneal_strategy="cos", cycle_momentum=False, div_factor=25.0, final_div_factor=1e4,
-        )  # fmt: skip
+            optimizer,
+            max_lr=peak,
+            total_steps=total_steps + 1,
+            pct_start=max(warmup_steps / (total_steps + 1), 1e-6),
+            anneal_strategy="cos",
+            cycle_momentum=False,
+            div_factor=25.0,
+            final_div_factor=1e4,
+        )
 
     def factor(step: int) -> float:
         if step < warmup_steps:

@@ -83,9 +83,12 @@ def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[st
     elif isinstance(labels, str) or len(labels) != len(runs) or len(set(labels)) != len(labels):
         raise ValueError(f"labels must be {len(runs)} different names, one per run; got {labels!r}.")
     present = dict.fromkeys(
-        column.split("_", 1)[1] for *_, epochs, _ in runs for row in epochs for column in row
+        column.split("_", 1)[1]
+        for *_, epochs, _ in runs
+        for row in epochs
+        for column in row
         if column.startswith(("train_", "eval_"))
-    )  # fmt: skip
+    )
     if metrics is None:
         metrics = list(present)
     else:
@@ -241,16 +244,21 @@ def plot_lr_find(result, title: str = ""):
     axis.axvline(result.suggestion, color="C3", linestyle="--", label=f"suggestion {result.suggestion:.2g}")
     low = min(result.smoothed)
     axis.set_ylim(top=max(low * 3, min(finite[0][1] * 1.5, max(loss for _, loss in finite))))
-    axis.set(xscale="log", xlabel="learning rate", ylabel="training loss",
-             title=title or f"lr range test: {result.rule}")  # fmt: skip
+    axis.set(
+        xscale="log", xlabel="learning rate", ylabel="training loss", title=title or f"lr range test: {result.rule}"
+    )
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
     figure.tight_layout()
     return figure
 
 
-def plot_lr_sensitivity(results: dict[str, tuple[Sequence[float], Sequence[float]]], *, ylabel: str = "final loss",
-                        title: str = "sensitivity to the learning rate"):  # fmt: skip
+def plot_lr_sensitivity(
+    results: dict[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    ylabel: str = "final loss",
+    title: str = "sensitivity to the learning rate",
+):
     """One curve per optimizer: a final measure (loss) against the learning rate (log scale). A
     flat, wide valley means the optimizer forgives a poorly chosen lr."""
     figure, (axis,) = _figure(width=6.0)
@@ -263,8 +271,14 @@ def plot_lr_sensitivity(results: dict[str, tuple[Sequence[float], Sequence[float
     return figure
 
 
-def plot_spread(runs: dict[str, Sequence[tuple[Sequence[float], Sequence[float]]]], *, xlabel: str, ylabel: str,
-                title: str = "", logy: bool = False):  # fmt: skip
+def plot_spread(
+    runs: dict[str, Sequence[tuple[Sequence[float], Sequence[float]]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logy: bool = False,
+):
     """Curves of several seeds per name: the median as a line, the range over seeds as a band."""
     import numpy as np
 

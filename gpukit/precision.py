@@ -29,8 +29,12 @@ def matmul_format(precision: str) -> str:
     """The matmul number format of a precision name ("bf16-mixed" -> "bf16"); the bare formats "bf16" and
     "fp16" still work for one release, with a DeprecationWarning (one vocabulary: the precision names)."""
     if precision in ("bf16", "fp16"):
-        warnings.warn(f"precision {precision!r} is deprecated here; use {precision + '-mixed'!r} (the names of "
-                      "gk.PRECISIONS, which fit takes too).", DeprecationWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"precision {precision!r} is deprecated here; use {precision + '-mixed'!r} (the names of "
+            "gk.PRECISIONS, which fit takes too).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return precision
     if precision not in MATMUL_FORMAT:
         raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(map(repr, MATMUL_FORMAT))}.")

@@ -41,8 +41,12 @@ def git_commit(folder: str | Path | None = None) -> str | None:
     try:
         result = subprocess.run(
             ["git", "rev-parse", "--verify", "--quiet", "HEAD"],
-            cwd=folder, capture_output=True, text=True, timeout=10, check=False,
-        )  # fmt: skip
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):  # no git on PATH, a folder that is gone, a hung git
         return None
     commit = result.stdout.strip()

@@ -67,8 +67,9 @@ class Batch:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same batch with `fn` applied to every tensor in it."""
-        args, kwargs, target = tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x,
-                                        (self.args, self.kwargs, self.target))  # fmt: skip
+        args, kwargs, target = tree_map(
+            lambda x: fn(x) if isinstance(x, torch.Tensor) else x, (self.args, self.kwargs, self.target)
+        )
         return Batch(args, kwargs, target, self.size)
 
     @property
@@ -205,8 +206,12 @@ def cross_entropy(prediction: torch.Tensor, target: torch.Tensor, label_smoothin
     """
     _check_classification(prediction, target)
     if prediction.shape[:-1] == target.shape:
-        return F.cross_entropy(prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1),
-                               ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)  # fmt: skip
+        return F.cross_entropy(
+            prediction.reshape(-1, prediction.shape[-1]),
+            target.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=label_smoothing,
+        )
     return F.cross_entropy(prediction, target, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
 
 
@@ -244,8 +249,14 @@ def _check_same_shape(prediction: torch.Tensor, target: torch.Tensor, name: str)
 
 
 # Losses that compare outputs and targets element by element: a shape mismatch is always a bug.
-_ELEMENTWISE_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-                          F.binary_cross_entropy_with_logits)  # fmt: skip
+_ELEMENTWISE_FUNCTIONS = (
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits,
+)
 _ELEMENTWISE_MODULES = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss)
 
 
@@ -256,8 +267,9 @@ class Loss:
     integer targets scored with cross-entropy that this object computes.
     """
 
-    def __init__(self, loss_fn: str | Callable | None = None, label_smoothing: float = 0.0, *,
-                 check_targets: bool = True):  # fmt: skip
+    def __init__(
+        self, loss_fn: str | Callable | None = None, label_smoothing: float = 0.0, *, check_targets: bool = True
+    ):
         if not 0 <= label_smoothing < 1:
             raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing!r}.")
         self.label_smoothing = label_smoothing
@@ -345,9 +357,12 @@ class Loss:
     def tracks_accuracy(self, batch: Batch, model_loss=None) -> bool:
         target = batch.target
         return (
-            self.name == "cross_entropy" and not self.uses_model_loss(model_loss)
-            and target is not None and not target.is_floating_point() and not target.is_complex()
-        )  # fmt: skip
+            self.name == "cross_entropy"
+            and not self.uses_model_loss(model_loss)
+            and target is not None
+            and not target.is_floating_point()
+            and not target.is_complex()
+        )
 
     def correct(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(correct, scored) predictions as 0-d tensors on the device: nothing waits for the GPU.

@@ -44,12 +44,17 @@ def _global_state() -> dict:
     """What a test may change behind its own back (CUDA's generator is reseeded by torch.manual_seed; reading
     its state would initialise CUDA here, which forked launches refuse)."""
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-        "threads": torch.get_num_threads(), "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
-        "matmul": torch.get_float32_matmul_precision(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "threads": torch.get_num_threads(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "matmul": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32),
         "tf32": torch.backends.cuda.matmul.allow_tf32,
-    }  # fmt: skip
+    }
 
 
 def _restore(state: dict) -> None:

@@ -298,15 +298,28 @@ class FakeCuda:
             return
         frames = []
         if self.history["context"] is not None:
-            frames = [{"filename": frame.filename, "line": frame.lineno, "name": frame.name}
-                      for frame in reversed(traceback.extract_stack(limit=12)[:-2])]  # fmt: skip
-        allocator.trace.append({"action": action, "size": size, "stream": 0, "frames": frames,
-                                "time_us": int(time.time() * 1e6), **fields})  # fmt: skip
+            frames = [
+                {"filename": frame.filename, "line": frame.lineno, "name": frame.name}
+                for frame in reversed(traceback.extract_stack(limit=12)[:-2])
+            ]
+        allocator.trace.append(
+            {"action": action, "size": size, "stream": 0, "frames": frames, "time_us": int(time.time() * 1e6), **fields}
+        )
         del allocator.trace[: -self.history["max_entries"]]  # a ring buffer of the latest entries
 
-    def record_history(self, enabled, context, stacks, max_entries, clear_history, compile_context,
-                       global_record_annotations, skip_actions, record_pinned_host_memory,
-                       record_cuda) -> None:  # fmt: skip
+    def record_history(
+        self,
+        enabled,
+        context,
+        stacks,
+        max_entries,
+        clear_history,
+        compile_context,
+        global_record_annotations,
+        skip_actions,
+        record_pinned_host_memory,
+        record_cuda,
+    ) -> None:
         """torch._C._cuda_record_memory_history, with the C++ binding's ten positional arguments."""
         if enabled not in (None, "state", "all") or context not in (None, "state", "alloc", "all"):
             raise RuntimeError(
@@ -328,8 +341,10 @@ class FakeCuda:
             raise TypeError(f"_cuda_memorySnapshot(): expected None or a tuple, got {type(mempool_id).__name__}")
         segments = []
         for index, allocator in enumerate(self.allocators):
-            blocks = [{"size": size, "address": address, "state": "active_allocated"}
-                      for address, size in allocator.blocks.items()]  # fmt: skip
+            blocks = [
+                {"size": size, "address": address, "state": "active_allocated"}
+                for address, size in allocator.blocks.items()
+            ]
             if allocator.reserved:
                 segment = {"device": index, "address": 0, "total_size": allocator.reserved, "stream": 0}
                 segments.append(
@@ -340,8 +355,10 @@ class FakeCuda:
     def attach_observer(self, observer) -> None:
         self.lazy_init()  # as the C++ binding does: observers attach to the devices' allocators, which need it
         if self.allocator_backend != "native":  # CUDAMallocAsyncAllocator.cpp says so
-            raise RuntimeError(f"{self.allocator_backend} does not yet support attachOutOfMemoryObserver. "
-                               "If you need it, please file an issue describing your use case.")  # fmt: skip
+            raise RuntimeError(
+                f"{self.allocator_backend} does not yet support attachOutOfMemoryObserver. "
+                "If you need it, please file an issue describing your use case."
+            )
         self.observers.append(observer)
 
     # -- streams -------------------------------------------------------------------------------
@@ -366,8 +383,11 @@ class FakeCuda:
         self._patch_functions(monkeypatch)
         self._patch_bindings(monkeypatch)
         monkeypatch.setattr(torch.cuda, "_get_device_properties", self.properties, raising=False)
-        monkeypatch.setattr(torch.cuda, "_cudart", types.SimpleNamespace(cudaMemGetInfo=self._recorded(
-            "cudaMemGetInfo", self.mem_get_info)))  # fmt: skip
+        monkeypatch.setattr(
+            torch.cuda,
+            "_cudart",
+            types.SimpleNamespace(cudaMemGetInfo=self._recorded("cudaMemGetInfo", self.mem_get_info)),
+        )
         # torch.manual_seed seeds every CUDA generator once CUDA is initialised.
         monkeypatch.setattr(torch.cuda, "default_generators", tuple(torch.Generator() for _ in self.gpus))
         monkeypatch.setattr(torch.Tensor, "to", _to)
@@ -459,8 +479,15 @@ def _check_stream(stream, what: str) -> FakeStream:
 class FakeStream:
     """torch.cuda.Stream on the fake: an id and a device; what is done with it goes to FakeCuda.calls."""
 
-    def __init__(self, device=None, priority: int = 0, *, stream_id: int | None = None,
-                 device_index: int | None = None, device_type: int = CUDA_DEVICE_TYPE):  # fmt: skip
+    def __init__(
+        self,
+        device=None,
+        priority: int = 0,
+        *,
+        stream_id: int | None = None,
+        device_index: int | None = None,
+        device_type: int = CUDA_DEVICE_TYPE,
+    ):
         fake = _fake()
         if stream_id is None:  # a new stream: torch.cuda.Stream(device) creates it under torch.cuda.device(device)
             with torch.cuda.device(device):
@@ -515,8 +542,9 @@ class FakeEvent:
     """torch.cuda.Event on the fake: its time is the host clock at record(); elapsed_time raises, as on a GPU,
     unless both events were created with enable_timing=True, recorded, and completed by a synchronisation."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                 external: bool = False):  # fmt: skip
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, external: bool = False
+    ):
         self.enable_timing = enable_timing
         self.number: int | None = None  # the order in which events were recorded
         self.device_index = self.time = None
@@ -600,15 +628,24 @@ def _to(self, *args, **kwargs):
     if fake_source and index == self.fake_index and dtype in (None, self.dtype) and not kwargs.get("copy"):
         return self  # already there: no copy, as on a GPU
     fake.lazy_init()
-    data = _real_to(plain, "cpu", dtype=dtype or plain.dtype, copy=True,
-                    memory_format=memory_format or torch.preserve_format)  # fmt: skip
+    data = _real_to(
+        plain, "cpu", dtype=dtype or plain.dtype, copy=True, memory_format=memory_format or torch.preserve_format
+    )
     address = fake.allocate(data.untyped_storage().nbytes(), index)
     copy = data.as_subclass(FakeCudaTensor)
     copy.fake_index = index
     weakref.finalize(copy, fake.free, address, index).atexit = False
-    fake.copies.append({"shape": tuple(data.shape), "dtype": data.dtype, "device": index, "non_blocking": non_blocking,
-                        "pinned": _is_pinned(self), "stream": fake.current_streams[index],
-                        "from_device": fake_source})  # fmt: skip
+    fake.copies.append(
+        {
+            "shape": tuple(data.shape),
+            "dtype": data.dtype,
+            "device": index,
+            "non_blocking": non_blocking,
+            "pinned": _is_pinned(self),
+            "stream": fake.current_streams[index],
+            "from_device": fake_source,
+        }
+    )
     return copy
 
 
@@ -690,8 +727,12 @@ def fake_pynvml(fake: FakeCuda) -> types.ModuleType:
     system, device = nvml.system, nvml.device
     module = types.ModuleType("pynvml")
     module.__dict__.update(
-        NVMLError=FakeNVMLError, NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
-        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0,
+        NVMLError=FakeNVMLError,
+        NVML_TEMPERATURE_GPU=0,
+        NVML_CLOCK_SM=1,
+        NVML_CLOCK_MEM=2,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_VOLATILE_ECC=0,
         nvmlInit=lambda: setattr(fake, "nvml_initialized", fake.nvml_initialized + 1),
         nvmlShutdown=system(lambda: setattr(fake, "nvml_initialized", fake.nvml_initialized - 1)),
         nvmlSystemGetDriverVersion=system(lambda: "580.159"),
@@ -713,5 +754,5 @@ def fake_pynvml(fake: FakeCuda) -> types.ModuleType:
         nvmlDeviceGetComputeRunningProcesses=device(nvml.processes),
         nvmlDeviceGetPersistenceMode=device(lambda index: 1),
         nvmlDeviceGetTotalEccErrors=device(lambda index, error_type, counter: 0),
-    )  # fmt: skip
+    )
     return module

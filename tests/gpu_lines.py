@@ -99,8 +99,9 @@ def _function(tree: ast.Module, qualname: str) -> ast.AST:
     *owners, name = qualname.split(".")
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            if not owners or any(isinstance(o, ast.ClassDef) and o.name == owners[-1] and node in o.body
-                                 for o in ast.walk(tree)):  # fmt: skip
+            if not owners or any(
+                isinstance(o, ast.ClassDef) and o.name == owners[-1] and node in o.body for o in ast.walk(tree)
+            ):
                 return node
     raise LookupError(f"no function {qualname}")
 

@@ -34,10 +34,13 @@ def train_steps(model, steps=3):
 # Same training, less memory
 
 
-@pytest.mark.parametrize("build, options", [
-    (lambda: gk.models.fast_cnn(8), {}),  # FastCNN: every block its own region
-    (gk.models.resnet18, {"every": 2}),  # regions of two BasicBlocks run by their nn.Sequential
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "build, options",
+    [
+        (lambda: gk.models.fast_cnn(8), {}),  # FastCNN: every block its own region
+        (gk.models.resnet18, {"every": 2}),  # regions of two BasicBlocks run by their nn.Sequential
+    ],
+)
 def test_checkpointed_training_equals_unchecked_with_batchnorm_updated_once(build, options):
     torch.manual_seed(0)
     plain = build()

@@ -18,8 +18,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA_GPU = gpukit.detect().device == "cuda"  # asks NVML, not the CUDA runtime
 # Small enough for a 2-core CPU: one epoch of 8 steps.
 SMALL_RUN = [
-    "--train-size", "512", "--test-size", "128", "--epochs", "1", "--width", "8", "--batch-size", "64", "--device", "cpu"
-]  # fmt: skip
+    "--train-size",
+    "512",
+    "--test-size",
+    "128",
+    "--epochs",
+    "1",
+    "--width",
+    "8",
+    "--batch-size",
+    "64",
+    "--device",
+    "cpu",
+]
 
 
 def run_gpukit(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -129,7 +140,7 @@ def test_cuda_without_gpu_is_a_clear_error(tmp_path):
         "folder-without-path",
         "seq-len-on-images",
         "augment-text",
-    ],  # fmt: skip
+    ],
 )
 def test_main_rejects_bad_arguments(monkeypatch, capsys, arguments, words):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
@@ -160,8 +171,23 @@ def test_train_a_gpt_on_your_text(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    arguments = ["--dataset", "text", "--data-dir", str(corpus), "--seq-len", "32", "--width", "32", "--epochs", "1",
-                 "--batch-size", "16", "--device", "cpu", "--no-progress"]  # fmt: skip
+    arguments = [
+        "--dataset",
+        "text",
+        "--data-dir",
+        str(corpus),
+        "--seq-len",
+        "32",
+        "--width",
+        "32",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert main(["train", *arguments]) == 0, capsys.readouterr().err
     fields = _last_line_fields(capsys.readouterr().out)
     assert set(fields) == {"eval_loss", "tokens_per_second"}
@@ -179,8 +205,23 @@ def test_train_on_your_image_folder(monkeypatch, capsys, tmp_path):
             image = torch.zeros(3, 20, 24, dtype=torch.uint8)
             image[2 * label] = 200 + index  # red or blue
             write_png(image, str(tmp_path / colour / f"{index}.png"))
-    arguments = ["--dataset", "folder", "--data-dir", str(tmp_path), "--image-size", "16", "--width", "4",
-                 "--epochs", "1", "--batch-size", "4", "--device", "cpu", "--no-progress"]  # fmt: skip
+    arguments = [
+        "--dataset",
+        "folder",
+        "--data-dir",
+        str(tmp_path),
+        "--image-size",
+        "16",
+        "--width",
+        "4",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert main(["train", *arguments]) == 0, capsys.readouterr().err
     output = capsys.readouterr().out
     assert "16 train / 4 held-out images of 2 classes" in output

@@ -212,8 +212,10 @@ def test_the_data_order_is_the_same_on_a_gpu_as_on_the_cpu(shapes_train):
     CPU, so that a run on a GPU sees the batches a CPU run (or CPU DDP ranks) sees."""
     bytes_ = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     tokens = gk.data.TokenDataset(bytes_, 16)
-    for make in (lambda device: gk.data.TextLoader(tokens, 8, device=device, seed=3),
-                 lambda device: DeviceLoader(shapes_train, 32, device=device, seed=3)):  # fmt: skip
+    for make in (
+        lambda device: gk.data.TextLoader(tokens, 8, device=device, seed=3),
+        lambda device: DeviceLoader(shapes_train, 32, device=device, seed=3),
+    ):
         on_cpu, on_gpu = make("cpu"), make("cuda")
         for _ in range(2):  # two epochs
             for (inputs, target), (gpu_inputs, gpu_target) in zip(on_cpu, on_gpu, strict=True):

@@ -51,8 +51,15 @@ def test_a_slow_loader_is_input_bound(device):
 
 
 def test_resident_data_is_compute_bound(device):
-    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
     train, _ = gk.data.shapes(128, 16, seed=0)
     loader = gk.data.DeviceLoader(train, 16, device=device)  # batches gathered from tensors already in memory
     diagnosis = gk.data.diagnose(loader, model, steps=4, warmup=1, device=device)
@@ -104,8 +111,9 @@ def test_the_model_is_left_untouched(device):
 def test_a_loader_that_yields_nothing(device):
     with pytest.raises(ValueError, match="yielded no batch"):
         gk.data.diagnose([], small_cnn(), device=device)
-    empty = DataLoader(TensorDataset(torch.randn(3, 3, 8, 8), torch.zeros(3, dtype=torch.long)), batch_size=4,
-                       drop_last=True)  # fmt: skip
+    empty = DataLoader(
+        TensorDataset(torch.randn(3, 3, 8, 8), torch.zeros(3, dtype=torch.long)), batch_size=4, drop_last=True
+    )
     with pytest.raises(ValueError, match="drop_last"):
         gk.data.diagnose(empty, small_cnn(), device=device)
     with pytest.raises(ValueError, match="steps"):
@@ -162,8 +170,15 @@ def test_the_prefetcher_delivers_the_same_batches_and_hides_the_copy(tmp_path):
         seen.append(batch.args[0].cpu())
         torch.cuda._sleep(1_000_000)  # keep the compute stream busy: a missing wait_stream would show stale data
     assert torch.equal(torch.cat(seen), images)
-    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))  # fmt: skip
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
     # Batches waiting in pinned host memory: the loader costs nothing, so each copy has a step to hide behind.
     pinned = [(torch.randn(64, 3, 64, 64).pin_memory(), torch.randint(0, 10, (64,)).pin_memory()) for _ in range(8)]
     trace = gk.data.trace_steps(pinned, model, steps=6, device=device, chrome_trace=tmp_path / "trace.json")
@@ -191,7 +206,8 @@ def _covered(intervals, cover):
 
 @pytest.mark.gpu
 def test_fit_trains_through_the_prefetcher_on_cuda():
-    loader = DataLoader(TensorDataset(torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,))), batch_size=16,
-                        pin_memory=True)  # fmt: skip
+    loader = DataLoader(
+        TensorDataset(torch.randn(64, 3, 16, 16), torch.randint(0, 10, (64,))), batch_size=16, pin_memory=True
+    )
     history = gk.fit(small_cnn(), loader, epochs=1, device="cuda", progress=False, log_every=1)
     assert len(history.steps) == 4

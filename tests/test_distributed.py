@@ -72,8 +72,17 @@ def gpt():
     return tiny_gpt(max_seq_len=16)
 
 
-TEXT = dict(batch_size=8, max_steps=6, lr=0.05, optimizer="sgd", schedule="constant", warmup=0, progress=False,
-            seed=5, device="cpu")  # fmt: skip
+TEXT = dict(
+    batch_size=8,
+    max_steps=6,
+    lr=0.05,
+    optimizer="sgd",
+    schedule="constant",
+    warmup=0,
+    progress=False,
+    seed=5,
+    device="cpu",
+)
 
 
 def two_rank_worker(train, text):
@@ -84,9 +93,10 @@ def two_rank_worker(train, text):
     model = mlp()  # 1. plain fit: fit wraps the model in DDP, shards the data, and logs means over ranks
     history = gk.fit(model, train, batch_size=BATCH, **COMMON)
     results["fit"] = {
-        "losses": history.losses, "batch_size": history.batch_size,
+        "losses": history.losses,
+        "batch_size": history.batch_size,
         "train_loss": [row["train_loss"] for row in history.epochs],
-    }  # fmt: skip
+    }
 
     compressed = distributed.data_parallel(mlp(), compression="fp16")  # 2. fp16 gradient compression
     gk.fit(compressed, train, batch_size=BATCH, **COMMON)

@@ -50,8 +50,7 @@ def test_shards_stream_every_sample_once_and_replay_by_seed(dataset, shards):
     assert len(images) == len(dataset) and len(first) == len(loader)
     original = {bytes(image.numpy()) for image in dataset.images}
     assert {bytes(image.numpy()) for image in images} == original  # PNG: lossless, every image exactly once
-    replay = gk.data.ShardLoader(shards, 16, shuffle_buffer=40, num_workers=2, drop_last=False, normalize=False,
-                                 seed=3)  # fmt: skip
+    replay = gk.data.ShardLoader(shards, 16, shuffle_buffer=40, num_workers=2, drop_last=False, normalize=False, seed=3)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, replay))  # same seed, epoch and workers: same batches
     second = torch.cat([batch[0] for batch in loader])  # the next epoch is shuffled differently
     assert not torch.equal(second, images)
@@ -107,8 +106,11 @@ def test_a_sample_that_cannot_be_decoded(shards):
     data = bytearray(path.read_bytes())
     data[offset : offset + size] = b"\0" * size
     path.write_bytes(bytes(data))
-    with pytest.raises(gk.data.ShardError, match=rf"cannot decode sample '{name.split('.')[0]}' \(png\) in shard .*"
-                                                 r"shard-000000\.tar"):  # fmt: skip
+    with pytest.raises(
+        gk.data.ShardError,
+        match=rf"cannot decode sample '{name.split('.')[0]}' \(png\) in shard .*"
+        r"shard-000000\.tar",
+    ):
         list(gk.data.ShardLoader(shards, 8, shuffle=False))
 
 

@@ -85,8 +85,9 @@ def test_out_of_memory_message_under_a_cap(fake_cuda):
     allocator.watch_out_of_memory()  # as fit does on CUDA: the allocator reports the refused size
     with memory.limit_gpu_memory(0.5):
         held = fake_cuda.allocate(30 * GiB)
-        error = allocator.out_of_memory_error(_out_of_memory(fake_cuda, 20 * GiB), "forward", CUDA, batch_size=256,
-                                              precision="bf16-mixed")  # fmt: skip
+        error = allocator.out_of_memory_error(
+            _out_of_memory(fake_cuda, 20 * GiB), "forward", CUDA, batch_size=256, precision="bf16-mixed"
+        )
         fake_cuda.free(held)
     assert isinstance(error, memory.TrainingOutOfMemoryError) and isinstance(error, torch.OutOfMemoryError)
     assert (error.requested, error.total) == (20 * GiB, 40 * GiB)  # the cap, not the GPU's 80 GiB
@@ -99,8 +100,9 @@ def test_out_of_memory_message_under_a_cap(fake_cuda):
 
 
 def test_out_of_memory_message_without_a_cap_or_an_observer(fake_cuda):
-    error = allocator.out_of_memory_error(_out_of_memory(fake_cuda, 90 * GiB), "optimizer step", CUDA,
-                                          batch_size=64, accumulate=4)  # fmt: skip
+    error = allocator.out_of_memory_error(
+        _out_of_memory(fake_cuda, 90 * GiB), "optimizer step", CUDA, batch_size=64, accumulate=4
+    )
     assert error.requested is None and (error.free, error.total) == (80 * GiB - CONTEXT_BYTES, 80 * GiB)
     assert "asked for more while" in str(error) and "on the GPU" in str(error) and "× accumulate 4" in str(error)
     assert "optimizer='sgd'" in str(error)
@@ -206,8 +208,9 @@ def _predict_on_the_host(monkeypatch) -> None:
     # Predictions for "cuda" run on fake tensors of device type CUDA, whose autograd asks the CUDA runtime for a
     # stream: without a GPU that aborts the process. Here they run for the CPU; the search around them is unchanged.
     real = plan_module.predict
-    monkeypatch.setattr(plan_module, "predict", lambda *args, target, **kwargs: real(*args, target=torch.device("cpu"),
-                                                                                   **kwargs))  # fmt: skip
+    monkeypatch.setattr(
+        plan_module, "predict", lambda *args, target, **kwargs: real(*args, target=torch.device("cpu"), **kwargs)
+    )
 
 
 def test_max_batch_size_plans_for_the_free_memory_and_checks_on_the_gpu(fake_cuda, monkeypatch):
@@ -297,8 +300,9 @@ def test_prefetch_to_another_gpu_copies_there_and_keeps_the_current_device(fake_
     (batch,) = list(prefetch([(torch.zeros(2, 3), torch.zeros(2))], "cuda:1"))
     assert batch.args[0].device == torch.device("cuda", 1) and {copy["device"] for copy in fake_cuda.copies} == {1}
     ((compute, side),) = fake_cuda.called("wait_stream")
-    assert compute.device_index == side.device_index == 1 and all(copy["stream"] == side.stream_id
-                                                                    for copy in fake_cuda.copies)  # fmt: skip
+    assert compute.device_index == side.device_index == 1 and all(
+        copy["stream"] == side.stream_id for copy in fake_cuda.copies
+    )
     assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(1).stream_id == 0  # both restored
 
 
@@ -428,7 +432,11 @@ def test_doctor_reports_the_gpu_from_nvml(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")  # the driver supports CUDA 13.0: no version warning
     report = gk.doctor()
     assert (report.device, report.nvml, report.driver_version, report.driver_cuda_version) == (
-        "cuda", "ok", "580.159", "13.0")  # fmt: skip
+        "cuda",
+        "ok",
+        "580.159",
+        "13.0",
+    )
     (gpu,) = report.gpus
     assert (gpu.name, gpu.memory_total, gpu.memory_used, gpu.processes) == ("NVIDIA H100 80GB HBM3", 80 * GiB, 0, [])
     assert (gpu.power_draw, gpu.power_limit, gpu.power_limit_default) == (300.0, 700.0, 700.0)  # W
@@ -442,7 +450,8 @@ def test_doctor_lists_this_process_on_the_gpu_without_warning_about_it(fake_cuda
     fake_cuda.allocate(GiB)  # this process now has a CUDA context and 1 GiB cached on the GPU
     (gpu,) = gk.doctor().gpus
     assert [(process.pid, process.used_memory, process.name) for process in gpu.processes] == [
-        (os.getpid(), CONTEXT_BYTES + GiB, "python")]  # fmt: skip
+        (os.getpid(), CONTEXT_BYTES + GiB, "python")
+    ]
     assert not any("other process" in warning for warning in warnings(gk.doctor()))
 
 
@@ -510,12 +519,23 @@ def test_setup_with_nccl_checks_local_rank_against_the_gpus(fake_cuda, monkeypat
 
 def _cuda_layer() -> tuple:
     return (
-        torch.cuda.is_available, torch.cuda._lazy_init, torch.cuda.memory._lazy_init, torch.cuda.random.device_count,
-        torch.cuda.Stream, torch.cuda.Event, torch.cuda._cudart, torch.cuda.default_generators,
-        getattr(torch.cuda, "_get_device_properties", None), getattr(torch._C, "_cuda_getDevice", None),
-        torch.Tensor.to, torch.Tensor.pin_memory, sys.modules.get("pynvml"), gk_env._surveys,
-        allocator._watching, allocator._refused,
-    )  # fmt: skip
+        torch.cuda.is_available,
+        torch.cuda._lazy_init,
+        torch.cuda.memory._lazy_init,
+        torch.cuda.random.device_count,
+        torch.cuda.Stream,
+        torch.cuda.Event,
+        torch.cuda._cudart,
+        torch.cuda.default_generators,
+        getattr(torch.cuda, "_get_device_properties", None),
+        getattr(torch._C, "_cuda_getDevice", None),
+        torch.Tensor.to,
+        torch.Tensor.pin_memory,
+        sys.modules.get("pynvml"),
+        gk_env._surveys,
+        allocator._watching,
+        allocator._refused,
+    )
 
 
 def test_the_fake_is_undone_after_the_test():
@@ -537,7 +557,14 @@ def test_the_fake_gpu_runs_at_least_80_percent_of_the_gpu_only_statements():
 
     root = Path(__file__).parent.parent
     environment = {**os.environ, "PYTHONPATH": str(root)}
-    output = subprocess.run([sys.executable, "tests/gpu_lines.py"], cwd=root, capture_output=True, text=True,
-                            env=environment, timeout=600, check=True).stdout  # fmt: skip
+    output = subprocess.run(
+        [sys.executable, "tests/gpu_lines.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+        check=True,
+    ).stdout
     executed, total = map(int, re.search(r"GPU-only statements executed: (\d+) of (\d+)", output).groups())
     assert total > 200 and executed >= 0.8 * total, output

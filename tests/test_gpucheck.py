@@ -25,16 +25,37 @@ MACHINE = Machine(["NVIDIA H100 80GB HBM3"], "580.159", "13.0", "2.11.0+cu130", 
 
 def made_up_results() -> list[StepResult]:
     """One result of each kind and status, and a row for every lesson and benchmark this checkout has."""
-    tests = StepResult("tests", "-m gpu", "fail", 41.0, "11 passed, 1 failed", {
-        "test_memory": Counter(passed=7, skipped=1), "test_train": Counter(passed=4, failed=1)})  # fmt: skip
+    tests = StepResult(
+        "tests",
+        "-m gpu",
+        "fail",
+        41.0,
+        "11 passed, 1 failed",
+        {"test_memory": Counter(passed=7, skipped=1), "test_train": Counter(passed=4, failed=1)},
+    )
     lessons = [StepResult("lesson", name, "pass", 30.0 + i, "cells: 25 passed") for i, name in enumerate(LESSONS)]
     lessons[1] = StepResult("lesson", LESSONS[1], "timeout", 300.2, "stopped after 300 s")
-    figures = {"tables": [{"title": "step time", "columns": ["model", "ms | median", "ok"],
-                           "rows": [{"model": "resnet50", "ms | median": 12.345, "ok": True}]}], "device": "H100"}  # fmt: skip
-    benchmarks = [StepResult("benchmark", path.stem, "pass", 20.0, "1 table(s), 1 rows", figures=figures)
-                  for path in BENCHMARKS]  # fmt: skip
-    benchmarks[0] = StepResult("benchmark", BENCHMARKS[0].stem, "skipped", 4.0, "needs 2 or more ranks",
-                               figures={"tables": [], "skipped": "needs 2 or more ranks"})  # fmt: skip
+    figures = {
+        "tables": [
+            {
+                "title": "step time",
+                "columns": ["model", "ms | median", "ok"],
+                "rows": [{"model": "resnet50", "ms | median": 12.345, "ok": True}],
+            }
+        ],
+        "device": "H100",
+    }
+    benchmarks = [
+        StepResult("benchmark", path.stem, "pass", 20.0, "1 table(s), 1 rows", figures=figures) for path in BENCHMARKS
+    ]
+    benchmarks[0] = StepResult(
+        "benchmark",
+        BENCHMARKS[0].stem,
+        "skipped",
+        4.0,
+        "needs 2 or more ranks",
+        figures={"tables": [], "skipped": "needs 2 or more ranks"},
+    )
     return [tests, *lessons, *benchmarks]
 
 
@@ -88,8 +109,9 @@ def test_appending_keeps_earlier_sections(tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text("# Measured results\n\n## CPU: 2 cores, 2026-11-23\n\nearlier figures\n")
     first = gpucheck.results_section(MACHINE, made_up_results(), 100.0)
-    later = gpucheck.results_section(Machine(["NVIDIA H200"], "580.159", "13.0", "2.11.0", "3.12.3", None, "2026-11-25"),
-                                     made_up_results()[:1], 50.0)  # fmt: skip
+    later = gpucheck.results_section(
+        Machine(["NVIDIA H200"], "580.159", "13.0", "2.11.0", "3.12.3", None, "2026-11-25"), made_up_results()[:1], 50.0
+    )
     gpucheck.append_section(path, first)
     gpucheck.append_section(path, later)
     text = path.read_text()
@@ -157,15 +179,18 @@ def _gone(pid: int) -> bool:
 def test_a_command_past_its_limit_is_stopped_with_its_children(monkeypatch, tmp_path):
     monkeypatch.setattr(gpucheck, "STOP_GRACE_SECONDS", 0.5)
     pids = tmp_path / "pids"
-    script = ("import os, signal, subprocess, sys, time\n"
-              "signal.signal(signal.SIGINT, signal.SIG_IGN)  # only SIGKILL stops this one\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-              f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
-              "print('started', flush=True)\n"
-              "time.sleep(60)\n")  # fmt: skip
+    script = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)  # only SIGKILL stops this one\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n"
+    )
     started = time.monotonic()
-    status, code, seconds = gpucheck.run_command([sys.executable, "-c", script], cwd=tmp_path, environment=dict(os.environ),
-                                                 seconds=1.5, log=tmp_path / "log")  # fmt: skip
+    status, code, seconds = gpucheck.run_command(
+        [sys.executable, "-c", script], cwd=tmp_path, environment=dict(os.environ), seconds=1.5, log=tmp_path / "log"
+    )
     assert (status, code) == ("timeout", None) and 1.5 <= seconds < time.monotonic() - started + 0.1 < 10
     assert (tmp_path / "log").read_text() == "started\n"
     parent, child = map(int, pids.read_text().split())

@@ -44,14 +44,27 @@ def test_precision_support_follows_the_compute_capability():
 @pytest.mark.parametrize(
     "device_name, row",
     [
-        ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-        ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
-        ("NVIDIA A100 80GB PCIe", "A100 80GB"), ("Tesla T4", "T4"), ("NVIDIA L4", "L4"), ("NVIDIA L40", "L40"),
-        ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"), ("NVIDIA A10G", "A10G"), ("NVIDIA H200", "H200"),
-        ("NVIDIA B200", "B200"), ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA GeForce RTX 5090", "RTX 5090"),
-        ("Tesla V100-SXM2-16GB", "V100"), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA GeForce RTX 4090 SUPER", None),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
+        ("NVIDIA A100 80GB PCIe", "A100 80GB"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 5090", "RTX 5090"),
+        ("Tesla V100-SXM2-16GB", "V100"),
+        ("NVIDIA GeForce RTX 3090 Ti", None),
+        ("NVIDIA GeForce RTX 4090 SUPER", None),
     ],
-)  # fmt: skip
+)
 def test_driver_names_find_their_row(device_name, row):
     found = find_gpu(device_name)
     assert (found.name if found else None) == row
@@ -96,24 +109,39 @@ def _gpt_batch():
 @pytest.mark.parametrize("make", [_cnn_batch, _gpt_batch], ids=["cnn", "gpt"])
 def test_plan_memory_largest_batch_and_frontier(make):
     model, batch = make()
-    plan = gk.hardware.plan(model, batch, gpus=["T4", "L4", "H100 SXM", "B200"], mfu=0.4, steps=2000,
-                            precision="bf16-mixed", optimizer="adamw", prices={"L4": 2.0})  # fmt: skip
+    plan = gk.hardware.plan(
+        model,
+        batch,
+        gpus=["T4", "L4", "H100 SXM", "B200"],
+        mfu=0.4,
+        steps=2000,
+        precision="bf16-mixed",
+        optimizer="adamw",
+        prices={"L4": 2.0},
+    )
     independent = gk.memory.estimate(model, batch, device="cuda", precision="bf16-mixed", optimizer="adamw")
     assert plan.memory.total == independent.total
     for row in plan.rows:
         assert row.fits == (independent.total <= row.usable)
     # The largest batch of the smallest GPU, checked by predictions the plan did not make.
     t4 = plan.row("T4")
-    at, above = gk.memory.estimate(model, batch, device="cuda", precision="bf16-mixed", optimizer="adamw",
-                                   batch_sizes=[t4.largest_batch, t4.largest_batch + 1])  # fmt: skip
+    at, above = gk.memory.estimate(
+        model,
+        batch,
+        device="cuda",
+        precision="bf16-mixed",
+        optimizer="adamw",
+        batch_sizes=[t4.largest_batch, t4.largest_batch + 1],
+    )
     assert at.total <= t4.usable < above.total
     assert plan.row("B200").largest_batch > plan.row("L4").largest_batch > t4.largest_batch
     # T4 has no bf16 tensor cores: no time, no cost, rather than a made-up one.
     assert t4.step_time is None and t4.cost is None
     priced = [row for row in plan.rows if row.cost is not None]
     for row in priced:
-        dominated = any(o.hours <= row.hours and o.cost <= row.cost and (o.hours, o.cost) != (row.hours, row.cost)
-                        for o in priced)  # fmt: skip
+        dominated = any(
+            o.hours <= row.hours and o.cost <= row.cost and (o.hours, o.cost) != (row.hours, row.cost) for o in priced
+        )
         assert row.pareto == (not dominated)
     assert plan.pareto and "Pareto" in str(plan)
     l4 = plan.row("L4")  # time and cost: steps × step time, hours × the price given
@@ -158,8 +186,13 @@ def fake_nvml(*, energy: bool = True, power_w: float = 100.0, reasons: int = 0x1
 
     fake = types.ModuleType("pynvml")
     fake.__dict__.update(
-        NVMLError=FakeNVMLError, NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
-        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        NVMLError=FakeNVMLError,
+        NVML_TEMPERATURE_GPU=0,
+        NVML_CLOCK_SM=1,
+        NVML_CLOCK_MEM=2,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
         nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=90, memory=30),
         nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(used=2**30, total=16 * 2**30),
         nvmlDeviceGetPowerUsage=lambda handle: int(power_w * 1000),  # mW
@@ -167,7 +200,7 @@ def fake_nvml(*, energy: bool = True, power_w: float = 100.0, reasons: int = 0x1
         nvmlDeviceGetClockInfo=lambda handle, clock: {1: 1500, 2: 5000}[clock],
         nvmlDeviceGetCurrentClocksEventReasons=lambda handle: reasons,
         nvmlDeviceGetTotalEnergyConsumption=energy_mj if energy else not_supported,
-    )  # fmt: skip
+    )
     return fake
 
 
@@ -310,6 +343,10 @@ def test_kernels_counted_grow_with_depth():
 
     batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
     one = count_kernels(torch.nn.Sequential(torch.nn.Linear(8, 3)), batch)
-    three = count_kernels(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
-                                              torch.nn.ReLU(), torch.nn.Linear(8, 3)), batch)  # fmt: skip
+    three = count_kernels(
+        torch.nn.Sequential(
+            torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+        ),
+        batch,
+    )
     assert 3 <= one < three  # at least a matmul forward, two backward; more layers, more kernels

@@ -44,8 +44,9 @@ def runs(tmp_path_factory):
     """{kind: (history, log_dir, values passed to the TensorBoard writer)} for a CNN and a GPT run."""
     folder = tmp_path_factory.mktemp("runs")
     images, held_out_images = shapes(128, 32, seed=1)
-    text, held_out_text = gk.data.text(gk.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=4_000,
-                                       pattern="*.py")  # fmt: skip
+    text, held_out_text = gk.data.text(
+        gk.__file__.replace("__init__.py", ""), seq_len=16, max_bytes=4_000, pattern="*.py"
+    )
     results = {}
     with pytest.MonkeyPatch.context() as patch:
         written = []
@@ -56,14 +57,34 @@ def runs(tmp_path_factory):
             return original(self, tag, value, *args, **kwargs)
 
         patch.setattr(SummaryWriter, "add_scalar", spy)
-        results["cnn"] = gk.fit(small_cnn(), images, epochs=2, batch_size=32, eval_data=held_out_images,
-                                device="cpu", progress=False, log_every=3, log_dir=folder / "cnn")  # fmt: skip
+        results["cnn"] = gk.fit(
+            small_cnn(),
+            images,
+            epochs=2,
+            batch_size=32,
+            eval_data=held_out_images,
+            device="cpu",
+            progress=False,
+            log_every=3,
+            log_dir=folder / "cnn",
+        )
         cnn_written, written[:] = list(written), []
         torch.manual_seed(0)
         gpt = gk.models.gpt(max_seq_len=16, width=32, depth=1, heads=2)
-        results["gpt"] = gk.fit(gpt, text, epochs=2, batch_size=32, lr=3e-3, optimizer="adamw",
-                                eval_data=held_out_text, metrics={"top2": token_accuracy_top2}, device="cpu",
-                                progress=False, log_every=4, log_dir=folder / "gpt")  # fmt: skip
+        results["gpt"] = gk.fit(
+            gpt,
+            text,
+            epochs=2,
+            batch_size=32,
+            lr=3e-3,
+            optimizer="adamw",
+            eval_data=held_out_text,
+            metrics={"top2": token_accuracy_top2},
+            device="cpu",
+            progress=False,
+            log_every=4,
+            log_dir=folder / "gpt",
+        )
     return {
         "cnn": (results["cnn"], folder / "cnn", cnn_written),
         "gpt": (results["gpt"], folder / "gpt", list(written)),
@@ -250,8 +271,10 @@ def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 def expected_scalars(history) -> dict[str, list[tuple[int, float]]]:
     """What History holds, as TensorBoard stores it (32-bit floats): numeric columns by step and by epoch."""
     expected = {}
-    for group, rows, index, skip in (("steps", history.steps, "step", ("step", "epoch")),
-                                     ("epochs", history.epochs, "epoch", ("epoch",))):  # fmt: skip
+    for group, rows, index, skip in (
+        ("steps", history.steps, "step", ("step", "epoch")),
+        ("epochs", history.epochs, "epoch", ("epoch",)),
+    ):
         for row in rows:
             for column, value in row.items():
                 if column not in skip and value is not None:
@@ -273,12 +296,24 @@ def test_tensorboard_holds_every_logged_row_of_the_history(runs, kind):
 
 def test_tensorboard_writes_every_numeric_epoch_column(tmp_path):
     log = TensorBoardLog(tmp_path)
-    log.add_epoch({"epoch": 1, "train_loss": 0.5, "peak_memory": 3 * 2**30, "energy_joules": 41.5,
-                   "note": "text", "warm": True, "eval_loss": None})  # fmt: skip
+    log.add_epoch(
+        {
+            "epoch": 1,
+            "train_loss": 0.5,
+            "peak_memory": 3 * 2**30,
+            "energy_joules": 41.5,
+            "note": "text",
+            "warm": True,
+            "eval_loss": None,
+        }
+    )
     log.close()
     found = scalars(tmp_path)
-    assert found == {"epochs/train_loss": [(1, 0.5)], "epochs/peak_memory": [(1, 3 * 2**30)],
-                     "epochs/energy_joules": [(1, 41.5)]}  # fmt: skip
+    assert found == {
+        "epochs/train_loss": [(1, 0.5)],
+        "epochs/peak_memory": [(1, 3 * 2**30)],
+        "epochs/energy_joules": [(1, 41.5)],
+    }
 
 
 class CountingModel(torch.nn.Sequential):

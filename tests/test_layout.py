@@ -163,15 +163,17 @@ def test_importing_gpukit_leaves_torchvision_for_first_use():
     [
         ("gpukit.checkpointing", "gpukit.memory.activation_checkpointing"),
         ("gpukit.memory.checkpointing", "gpukit.memory.activation_checkpointing"),
-        ("gpukit.memory.activation_checkpointing.apply_checkpointing",
-         "gpukit.memory.activation_checkpointing.apply_activation_checkpointing"),
+        (
+            "gpukit.memory.activation_checkpointing.apply_checkpointing",
+            "gpukit.memory.activation_checkpointing.apply_activation_checkpointing",
+        ),
         ("gpukit.memory.table", "gpukit.memory.parts.breakdown_table"),
         ("gpukit.memory.plot_timeline", "gpukit.memory.parts.plot_memory_timeline"),
         ("gpukit.data.plot_timeline", "gpukit.data.timeline.plot_trace"),
         ("gpukit.hardware.table", "gpukit.hardware.gpus.gpu_table"),
         ("gpukit.checkup.decode_clock_reasons", "gpukit.hardware.clocks.clock_reasons"),
     ],
-)  # fmt: skip
+)
 def test_old_public_names_still_work_for_a_release_and_name_the_new_one(old, new):
     import importlib
 
@@ -195,3 +197,31 @@ def test_no_module_is_shadowed_by_a_function_of_its_name():
             if value is not None and not isinstance(value, types.ModuleType):
                 shadowed.append(f"{name} is also {package}.{leaf}, a {type(value).__name__}")
     assert not shadowed, shadowed
+
+
+def test_the_code_is_ruff_formatted_with_few_exceptions():
+    """ruff formats everything; a `# fmt: skip` is kept only for a table read better aligned (at most 10)."""
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    folders = ["gpukit", "tests", "benchmarks"]
+    check = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", *folders], cwd=root,
+                           capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    skips = [f"{path}:{number}" for folder in folders for path in (root / folder).rglob("*.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if line.rstrip().endswith("# fmt: skip")]  # fmt: skip
+    assert len(skips) <= 10, skips
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function fits on a screen: at most 80 lines of code after its docstring (fit's parts: 60)."""
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) and len(node.body) > 1 else node.body
+                lines = node.end_lineno - body[0].lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

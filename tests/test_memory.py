@@ -358,8 +358,15 @@ def test_out_of_memory_in_backward_is_explained_and_freed(small_data):
     error = caught.value
     assert isinstance(error, memory.TrainingOutOfMemoryError) and error.phase == "backward"
     message = str(error)
-    for words in ("in the backward pass", "batch_size=16, accumulate=2", "bf16-mixed", "checkpointing",
-                  "expandable_segments", "max_batch_size", "Tried to allocate 2.00 GiB"):  # fmt: skip
+    for words in (
+        "in the backward pass",
+        "batch_size=16, accumulate=2",
+        "bf16-mixed",
+        "checkpointing",
+        "expandable_segments",
+        "max_batch_size",
+        "Tried to allocate 2.00 GiB",
+    ):
         assert words in message, words
     assert error.__context__ is None and error.__cause__ is None  # the failed step's traceback is not kept
     assert all(reference() is None for reference in model.activations)  # its activations are freed
@@ -439,11 +446,21 @@ def test_a_real_out_of_memory_under_the_cap_then_training_goes_on():
 
 
 def test_snapshot_timeline_from_trace_events():
-    snapshot = memory.Snapshot(data={"device_traces": [[
-        {"action": "alloc", "size": 1024}, {"action": "segment_alloc", "size": 2**21},
-        {"action": "alloc", "size": 512}, {"action": "free_requested", "size": 1024},
-        {"action": "free_completed", "size": 1024},
-    ]]}, device=0, baseline=100)  # fmt: skip
+    snapshot = memory.Snapshot(
+        data={
+            "device_traces": [
+                [
+                    {"action": "alloc", "size": 1024},
+                    {"action": "segment_alloc", "size": 2**21},
+                    {"action": "alloc", "size": 512},
+                    {"action": "free_requested", "size": 1024},
+                    {"action": "free_completed", "size": 1024},
+                ]
+            ]
+        },
+        device=0,
+        baseline=100,
+    )
     assert snapshot.timeline() == [1124, 1636, 612]
     assert len(memory.plot_memory_timeline(snapshot).axes) == 1
 

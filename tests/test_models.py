@@ -62,8 +62,13 @@ def test_gpt_output_shape(positions):
     torch.manual_seed(0)
     model = tiny_gpt(positions).eval()
     assert (model.vocab_size, model.max_seq_len, model.width, model.depth, model.heads, model.positions) == (
-        64, 16, 32, 2, 2, positions,
-    )  # fmt: skip
+        64,
+        16,
+        32,
+        2,
+        2,
+        positions,
+    )
     for length in (1, 7, 16):
         logits = model(random_tokens(3, length))
         assert type(logits) is torch.Tensor and logits.shape == (3, length, 64) and logits.dtype == torch.float32
@@ -146,8 +151,13 @@ def test_gpt_generate(positions):
 def test_gpt_generate_rejects_bad_arguments():
     model = tiny_gpt()
     prompt = random_tokens(1, 3)
-    for arguments in [dict(max_new_tokens=-1), dict(max_new_tokens=2.5), dict(max_new_tokens=2, temperature=-1.0),
-                      dict(max_new_tokens=2, temperature=float("nan")), dict(max_new_tokens=2, top_k=0)]:  # fmt: skip
+    for arguments in [
+        dict(max_new_tokens=-1),
+        dict(max_new_tokens=2.5),
+        dict(max_new_tokens=2, temperature=-1.0),
+        dict(max_new_tokens=2, temperature=float("nan")),
+        dict(max_new_tokens=2, top_k=0),
+    ]:
         with pytest.raises(ValueError):
             model.generate(prompt, **arguments)
     with pytest.raises(TypeError, match="torch.Generator"):

@@ -51,11 +51,14 @@ def test_figures_are_masked_and_the_rest_is_kept():
         assert first != second  # without the sanitize file strict nbval fails here
         assert sanitized(first) == sanitized(second), (sanitized(first), sanitized(second))
     lines = [
-        ("100%|██████████| 40/40 [00:03<00:00, 12.5step/s, loss=1.23]", "100%|██████████| 40/40 [00:09<00:00, 4.1step/s, loss=1.19]"),
+        (
+            "100%|██████████| 40/40 [00:03<00:00, 12.5step/s, loss=1.23]",
+            "100%|██████████| 40/40 [00:09<00:00, 4.1step/s, loss=1.19]",
+        ),
         ("eval_accuracy=0.912 images_per_second=2031", "eval_accuracy=0.907 images_per_second=987"),
         ("peak 12.3 MiB in 950 ms, 97% of NVIDIA H100 80GB HBM3", "peak 512 B in 1.2 s, 8% of NVIDIA GeForce RTX 4090"),
         ("checkpoint in /tmp/tmpa1b2c3/last.pt", "checkpoint in /tmp/tmpz9y8x7/last.pt"),
-    ]  # fmt: skip
+    ]
     for first, second in lines:
         assert sanitized(first) == sanitized(second), (sanitized(first), sanitized(second))
     # What a lesson says is still compared: other rows, other words, a check that was skipped instead.
@@ -68,10 +71,22 @@ def test_figures_are_masked_and_the_rest_is_kept():
 def strict_nbval(*notebooks: Path, cwd: Path, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Strict nbval (outputs compared, with gpukit's sanitize file) on `notebooks`, one after the other."""
     command = [
-        sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "--nbval-sanitize-with",
-        str(nbval.sanitize_path()), f"--nbval-cell-timeout={CELL_TIMEOUT}", "-p", "no:cacheprovider", "-q",
-        "--rootdir", str(cwd), *options, *map(str, notebooks),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pytest",
+        "--nbval",
+        "--nbval-current-env",
+        "--nbval-sanitize-with",
+        str(nbval.sanitize_path()),
+        f"--nbval-cell-timeout={CELL_TIMEOUT}",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--rootdir",
+        str(cwd),
+        *options,
+        *map(str, notebooks),
+    ]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
 
 

@@ -169,8 +169,9 @@ def test_lr_find_restores_model_and_optimizer_and_finds_a_minimum(device):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     grads = [p.grad.clone() for p in model.parameters()]
     momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
-    result = gk.lr_find(model, images, optimizer=optimizer, steps=30, batch_size=16, start_lr=1e-3, end_lr=100.0,
-                        device=device)  # fmt: skip
+    result = gk.lr_find(
+        model, images, optimizer=optimizer, steps=30, batch_size=16, start_lr=1e-3, end_lr=100.0, device=device
+    )
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # bit-equal, buffers too
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert all(torch.equal(m, optimizer.state[p]["momentum_buffer"]) for m, p in zip(momentum, model.parameters()))
@@ -195,8 +196,9 @@ class DictModel(nn.Module):
 
 def test_lr_find_with_dict_and_token_batches_precision_and_accumulation(device):
     generator = torch.Generator().manual_seed(0)
-    batches = [{"features": torch.randn(8, 4, generator=generator), "labels": torch.randint(0, 3, (8,))}
-               for _ in range(20)]  # fmt: skip
+    batches = [
+        {"features": torch.randn(8, 4, generator=generator), "labels": torch.randint(0, 3, (8,))} for _ in range(20)
+    ]
     result = gk.lr_find(DictModel(), batches, optimizer="adamw", steps=10, accumulate=2, device=device)
     assert len(result.lrs) >= 3
     model = gpt()
@@ -224,8 +226,10 @@ def test_lr_find_bad_inputs(device):
 def zero_worker():
     gk.distributed.setup()
     generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-               for _ in range(4)]  # fmt: skip
+    batches = [
+        (torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        for _ in range(4)
+    ]
     results = gk.distributed.compare_sharding(lambda: gk.models.fast_cnn(4), batches, optimizer="adamw", lr=1e-2)
     gk.distributed.cleanup()
     return results

@@ -41,10 +41,13 @@ def regressor(seed=0):
 def dict_batches(corpus, batch_size=8, count=6):
     windows = [corpus[i][0] for i in range(batch_size * count)]
     return [
-        {"input_ids": torch.stack(windows[i : i + batch_size]), "attention_mask": torch.ones(batch_size, 16),
-         "labels": torch.stack(windows[i : i + batch_size])}
+        {
+            "input_ids": torch.stack(windows[i : i + batch_size]),
+            "attention_mask": torch.ones(batch_size, 16),
+            "labels": torch.stack(windows[i : i + batch_size]),
+        }
         for i in range(0, len(windows), batch_size)
-    ]  # fmt: skip
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,9 +60,16 @@ def test_a_linear_classifier_stays_below_50_percent_on_shapes_in_tiny_profile(de
     best_linear = 0.0
     for optimizer, lr in (("adamw", 1e-3), ("sgd", 0.01)):  # the baseline gets a fair try at two settings
         history = gk.fit(
-            gk.models.linear_classifier(), train, epochs=5, batch_size=128, lr=lr, optimizer=optimizer,
-            eval_data=test, progress=False, device=device,
-        )  # fmt: skip
+            gk.models.linear_classifier(),
+            train,
+            epochs=5,
+            batch_size=128,
+            lr=lr,
+            optimizer=optimizer,
+            eval_data=test,
+            progress=False,
+            device=device,
+        )
         best_linear = max(best_linear, history.final_eval_accuracy)
     assert best_linear < 0.5
 
@@ -71,9 +81,16 @@ def test_a_linear_classifier_stays_below_50_percent_on_shapes_in_tiny_profile(de
 def test_fit_learns_and_records_history(small_data, device):
     train, test = small_data
     history = gk.fit(
-        gk.models.fast_cnn(8), train, epochs=2, batch_size=32, lr=0.1, eval_data=test, progress=False, log_every=4,
+        gk.models.fast_cnn(8),
+        train,
+        epochs=2,
+        batch_size=32,
+        lr=0.1,
+        eval_data=test,
+        progress=False,
+        log_every=4,
         device=device,
-    )  # fmt: skip
+    )
     assert len(history.epochs) == 2
     steps = [row["step"] for row in history.steps]
     assert steps == sorted(steps) and steps[-1] == 2 * (512 // 32)
@@ -121,8 +138,18 @@ def test_evaluate(small_data, device):
 
 def test_a_next_token_model_reports_token_accuracy_and_tokens_per_second(corpus, device):
     train, test = corpus
-    history = gk.fit(tiny_gpt(), train, batch_size=16, epochs=2, lr=3e-3, optimizer="adamw", eval_data=test,
-                     progress=False, log_every=5, device=device)  # fmt: skip
+    history = gk.fit(
+        tiny_gpt(),
+        train,
+        batch_size=16,
+        epochs=2,
+        lr=3e-3,
+        optimizer="adamw",
+        eval_data=test,
+        progress=False,
+        log_every=5,
+        device=device,
+    )
     assert history.sample_name == "sequence"
     row = history.steps[-1]
     assert math.isclose(row["tokens_per_second"], 16 * row["samples_per_second"], rel_tol=1e-6)  # 16 tokens a window
@@ -137,8 +164,18 @@ def test_a_regression_has_no_accuracy_and_reports_your_metrics(device):
     data = regression()
     held_out = regression(64, seed=1)
     mae = {"mae": lambda outputs, target: (outputs - target).abs().mean()}
-    history = gk.fit(regressor(), data, batch_size=32, epochs=4, lr=0.05, loss_fn="mse", metrics=mae,
-                     eval_data=held_out, progress=False, device=device)  # fmt: skip
+    history = gk.fit(
+        regressor(),
+        data,
+        batch_size=32,
+        epochs=4,
+        lr=0.05,
+        loss_fn="mse",
+        metrics=mae,
+        eval_data=held_out,
+        progress=False,
+        device=device,
+    )
     row = history.epochs[-1]
     assert not any("accuracy" in key for key in row)  # no accuracy column at all, never a 0.0
     assert history.final_eval_accuracy is None and "accuracy" not in str(history.table())
@@ -153,8 +190,16 @@ def test_metrics_are_sample_weighted_means_of_the_held_out_data(device):
     """eval_<metric> equals the same function applied to all held-out outputs at once."""
     data, held_out = regression(), regression(70, seed=1)  # 70: the last batch of 32 is short
     model = regressor()
-    history = gk.fit(model, data, batch_size=32, loss_fn="mse", progress=False, device=device,
-                     metrics={"mae": lambda o, t: (o - t).abs().mean().item()}, eval_data=held_out)  # fmt: skip
+    history = gk.fit(
+        model,
+        data,
+        batch_size=32,
+        loss_fn="mse",
+        progress=False,
+        device=device,
+        metrics={"mae": lambda o, t: (o - t).abs().mean().item()},
+        eval_data=held_out,
+    )
     with torch.no_grad():
         outputs = model(held_out.tensors[0])
     expected = (outputs - held_out.tensors[1]).abs().mean().item()
@@ -249,8 +294,9 @@ def test_data_without_len_trains_several_epochs_with_max_steps(device):
         gk.fit(regressor(), batches, epochs=2, loss_fn="mse", progress=False, device=device)
     history = gk.fit(regressor(), batches, epochs=5, max_steps=10, loss_fn="mse", progress=True, device=device)
     assert history.steps[-1]["step"] == 10 and [row["epoch"] for row in history.epochs] == [1, 2, 3, 4]
-    constant = gk.fit(regressor(), batches, epochs=2, schedule="constant", warmup=0, loss_fn="mse", progress=False,
-                      device=device)  # fmt: skip
+    constant = gk.fit(
+        regressor(), batches, epochs=2, schedule="constant", warmup=0, loss_fn="mse", progress=False, device=device
+    )
     assert constant.steps[-1]["step"] == 6
 
 
@@ -285,12 +331,31 @@ def test_an_optimizer_you_built_keeps_its_learning_rate(small_data, device):
     train, _ = small_data
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-    history = gk.fit(model, train, batch_size=64, optimizer=optimizer, schedule="constant", warmup=0, log_every=1,
-                     progress=False, device=device)  # fmt: skip
+    history = gk.fit(
+        model,
+        train,
+        batch_size=64,
+        optimizer=optimizer,
+        schedule="constant",
+        warmup=0,
+        log_every=1,
+        progress=False,
+        device=device,
+    )
     assert {row["lr"] for row in history.steps} == {0.001}
     model = mlp()
-    history = gk.fit(model, train, batch_size=64, optimizer=lambda p: torch.optim.SGD(p, lr=0.002), lr=0.01,
-                     schedule="constant", warmup=0, log_every=1, progress=False, device=device)  # fmt: skip
+    history = gk.fit(
+        model,
+        train,
+        batch_size=64,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.002),
+        lr=0.01,
+        schedule="constant",
+        warmup=0,
+        log_every=1,
+        progress=False,
+        device=device,
+    )
     assert {row["lr"] for row in history.steps} == {0.01}  # lr given: it wins
 
 
@@ -298,8 +363,19 @@ def test_clip_bounds_the_step_of_a_sequence_model(corpus, device):
     """Plain SGD with lr 1 moves the parameters by exactly the clipped gradient: its norm is at most `clip`."""
     model = tiny_gpt()
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    gk.fit(model, corpus[0], batch_size=8, max_steps=1, lr=1.0, schedule="constant", warmup=0, clip=1e-3,
-           optimizer=lambda p: torch.optim.SGD(p, lr=1.0), progress=False, device=device)  # fmt: skip
+    gk.fit(
+        model,
+        corpus[0],
+        batch_size=8,
+        max_steps=1,
+        lr=1.0,
+        schedule="constant",
+        warmup=0,
+        clip=1e-3,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        progress=False,
+        device=device,
+    )
     moved = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
     assert 0 < moved.norm().item() <= 1e-3 * (1 + 1e-4)
 
@@ -356,8 +432,17 @@ def test_leftover_micro_batches_of_data_without_len_are_dropped_too(device):
     """Without len() the epoch's end is found only after its last batch: its incomplete step is discarded."""
     data = [(x, y) for x, y in torch.utils.data.DataLoader(regression(160), batch_size=16)]  # 10 batches
     models = [regressor(seed=5), regressor(seed=5)]
-    common = dict(epochs=2, max_steps=4, lr=0.05, schedule="constant", warmup=0, loss_fn="mse", progress=False,
-                  device=device, accumulate=4)  # fmt: skip
+    common = dict(
+        epochs=2,
+        max_steps=4,
+        lr=0.05,
+        schedule="constant",
+        warmup=0,
+        loss_fn="mse",
+        progress=False,
+        device=device,
+        accumulate=4,
+    )
     gk.fit(models[0], Batches(data), **common)
     gk.fit(models[1], Batches(data[:8]), **common)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -372,8 +457,18 @@ def test_leftover_micro_batches_of_data_without_len_are_dropped_too(device):
 @pytest.mark.parametrize("kind", ["cnn", "gpt"])
 def test_mixed_precision_trains_on_cpu(precision, kind, corpus, device):
     model, data = (mlp(), shapes(128, 0)[0]) if kind == "cnn" else (tiny_gpt(), corpus[0])
-    history = gk.fit(model, data, epochs=1, batch_size=32, lr=0.01, max_steps=4, precision=precision, progress=False,
-                     log_every=1, device=device)  # fmt: skip
+    history = gk.fit(
+        model,
+        data,
+        epochs=1,
+        batch_size=32,
+        lr=0.01,
+        max_steps=4,
+        precision=precision,
+        progress=False,
+        log_every=1,
+        device=device,
+    )
     assert history.precision == precision and all(math.isfinite(r["loss"]) for r in history.steps)
 
 
@@ -388,8 +483,14 @@ def test_channels_last_gives_the_same_model(device):
     a = gk.models.fast_cnn(4)
     b = copy.deepcopy(a)
     gk.fit(a, DeviceLoader(train, 32, shuffle=False, device=device), lr=0.05, progress=False, device=device)
-    gk.fit(b, DeviceLoader(train, 32, shuffle=False, device=device), lr=0.05, channels_last=True, progress=False,
-           device=device)  # fmt: skip
+    gk.fit(
+        b,
+        DeviceLoader(train, 32, shuffle=False, device=device),
+        lr=0.05,
+        channels_last=True,
+        progress=False,
+        device=device,
+    )
     assert b[0][0].weight.is_contiguous(memory_format=torch.channels_last)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)
@@ -403,13 +504,20 @@ def test_channels_last_on_tokens_says_it_does_nothing(corpus, device):
 def test_compile_runs_dict_batches_and_sequence_models(corpus, device):
     """torch.compile traces fit's step for any batch form (the aot_eager backend: the same graph capture
     as the default, without the minutes of code generation a CPU would need)."""
-    history = gk.fit(CausalLM(), dict_batches(corpus[0], count=3), compile={"backend": "aot_eager"}, progress=False,
-                     log_every=1, device=device)  # fmt: skip
+    history = gk.fit(
+        CausalLM(),
+        dict_batches(corpus[0], count=3),
+        compile={"backend": "aot_eager"},
+        progress=False,
+        log_every=1,
+        device=device,
+    )
     assert len(history.steps) == 3 and all(math.isfinite(row["loss"]) for row in history.steps)
     plain = gk.fit(tiny_gpt(seed=4), corpus[0], batch_size=8, max_steps=3, progress=False, device=device)
     model = tiny_gpt(seed=4)
-    compiled = gk.fit(model, corpus[0], batch_size=8, max_steps=3, compile={"backend": "aot_eager"}, progress=False,
-                      device=device)  # fmt: skip
+    compiled = gk.fit(
+        model, corpus[0], batch_size=8, max_steps=3, compile={"backend": "aot_eager"}, progress=False, device=device
+    )
     assert math.isclose(compiled.losses[-1], plain.losses[-1], rel_tol=1e-4)
 
 
@@ -428,8 +536,17 @@ def test_non_finite_loss_stops_with_the_step(small_data, device):
         return loss * float("nan") if calls == 7 else loss
 
     with pytest.raises(gk.NonFiniteLossError, match=r"between optimizer steps 5 and 8.*lower lr") as error:
-        gk.fit(mlp(), train, epochs=1, batch_size=32, lr=0.01, loss_fn=loss_that_breaks, progress=False, log_every=4,
-               device=device)  # fmt: skip
+        gk.fit(
+            mlp(),
+            train,
+            epochs=1,
+            batch_size=32,
+            lr=0.01,
+            loss_fn=loss_that_breaks,
+            progress=False,
+            log_every=4,
+            device=device,
+        )
     assert "clip" in str(error.value)
 
 
@@ -437,12 +554,29 @@ def test_diverging_lr_is_reported_not_silent(small_data, corpus, device):
     train, _ = small_data
     with pytest.raises(gk.NonFiniteLossError, match="loss became"):
         gk.fit(
-            mlp(), train, epochs=3, batch_size=32, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2,
+            mlp(),
+            train,
+            epochs=3,
+            batch_size=32,
+            lr=1e12,
+            schedule="constant",
+            warmup=0,
+            progress=False,
+            log_every=2,
             device=device,
-        )  # fmt: skip
+        )
     with pytest.raises(gk.NonFiniteLossError, match="loss became"):
-        gk.fit(tiny_gpt(), corpus[0], batch_size=8, lr=1e12, schedule="constant", warmup=0, progress=False, log_every=2,
-               device=device)  # fmt: skip
+        gk.fit(
+            tiny_gpt(),
+            corpus[0],
+            batch_size=8,
+            lr=1e12,
+            schedule="constant",
+            warmup=0,
+            progress=False,
+            log_every=2,
+            device=device,
+        )
 
 
 def _untouched(model, before):
@@ -538,8 +672,9 @@ def test_empty_dataset_and_too_big_batch(small_data, device):
     with pytest.raises(ValueError, match="no batch"):
         gk.fit(gk.models.fast_cnn(4), train.subset(10), batch_size=32, progress=False, device=device)
     with pytest.raises(ValueError, match="empty"):
-        gk.fit(gk.models.fast_cnn(4), TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)), batch_size=4,
-               device=device)  # fmt: skip
+        gk.fit(
+            gk.models.fast_cnn(4), TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)), batch_size=4, device=device
+        )
     with pytest.raises(TypeError, match="expected a Dataset, a DataLoader"):
         gk.fit(gk.models.fast_cnn(4), torch.zeros(4, 3, 32, 32), progress=False, device=device)
     with pytest.raises(ValueError, match="batch_size applies to a Dataset"):
@@ -549,8 +684,9 @@ def test_empty_dataset_and_too_big_batch(small_data, device):
 def test_loader_and_batch_size_must_agree(small_data, device):
     train, _ = small_data
     with pytest.raises(ValueError, match="differs from the loader"):
-        gk.fit(gk.models.fast_cnn(4), DeviceLoader(train, 32, device=device), batch_size=64, progress=False,
-               device=device)  # fmt: skip
+        gk.fit(
+            gk.models.fast_cnn(4), DeviceLoader(train, 32, device=device), batch_size=64, progress=False, device=device
+        )
 
 
 def test_model_without_parameters(small_data, device):
@@ -580,8 +716,9 @@ def test_fit_on_cuda_every_precision(precision, kind, corpus):
         (train, test), model, options = shapes(1024, 256), gk.models.fast_cnn(16), dict(batch_size=128, lr=0.2)
     else:
         (train, test), model, options = corpus, tiny_gpt(), dict(batch_size=32, lr=3e-3, optimizer="adamw")
-    history = gk.fit(model, train, epochs=2, precision=precision, device="cuda", eval_data=test, progress=False,
-                     **options)  # fmt: skip
+    history = gk.fit(
+        model, train, epochs=2, precision=precision, device="cuda", eval_data=test, progress=False, **options
+    )
     assert history.peak_memory > 0 and history.final_eval_accuracy > (0.2 if kind == "cnn" else 0.05)
     assert torch.get_float32_matmul_precision() == "highest"  # tf32 flags restored after fit
 

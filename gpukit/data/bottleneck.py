@@ -106,8 +106,11 @@ class Diagnosis:
         ]
         for row in rows:
             row["samples_per_second"] = row["steps_per_second"] * self.batch_size
-        return Table(rows, title=f"{self.verdict}: {self.data_wait_fraction:.0%} of step time waiting for data "
-                                 f"({self.steps} steps of {self.batch_size} on {self.device})")  # fmt: skip
+        return Table(
+            rows,
+            title=f"{self.verdict}: {self.data_wait_fraction:.0%} of step time waiting for data "
+            f"({self.steps} steps of {self.batch_size} on {self.device})",
+        )
 
     def __str__(self) -> str:
         lines = [
@@ -140,8 +143,10 @@ def _advice(loader, device: torch.device, input_bound: bool) -> list[str]:
                 advice.append(
                     "persistent_workers=True: keep the workers alive between epochs instead of restarting them."
                 )
-            advice.append(f"a larger prefetch_factor (now {loader.prefetch_factor}) or more workers "
-                          f"(now {loader.num_workers}, {cores} cores): gk.data.sweep() measures both.")  # fmt: skip
+            advice.append(
+                f"a larger prefetch_factor (now {loader.prefetch_factor}) or more workers "
+                f"(now {loader.num_workers}, {cores} cores): gk.data.sweep() measures both."
+            )
         if device.type == "cuda" and not loader.pin_memory:
             advice.append(
                 "pin_memory=True, so the copy to the GPU runs asynchronously (fit overlaps it on a side stream)."
@@ -297,11 +302,23 @@ def sweep(
     for workers in num_workers:
         for factor in (None,) if workers == 0 else prefetch_factor:
             check_workers(workers, factor)
-            loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, prefetch_factor=factor,
-                                persistent_workers=workers > 0, **loader_options)  # fmt: skip
+            loader = DataLoader(
+                dataset,
+                batch_size=batch_size,
+                num_workers=workers,
+                prefetch_factor=factor,
+                persistent_workers=workers > 0,
+                **loader_options,
+            )
             rate = loader_rate(loader, batches, device)
-            rows.append({"num_workers": workers, "prefetch_factor": factor, "batches_per_second": rate,
-                         "samples_per_second": rate * batch_size})  # fmt: skip
+            rows.append(
+                {
+                    "num_workers": workers,
+                    "prefetch_factor": factor,
+                    "batches_per_second": rate,
+                    "samples_per_second": rate * batch_size,
+                }
+            )
             del loader  # ends its workers before the next setting starts its own
     return Table(rows, title=f"DataLoader throughput, batch size {batch_size}")
 
@@ -316,8 +333,12 @@ def plot_sweep(table: Table, title: str = "DataLoader throughput"):
     baseline = [row for row in rows if row["prefetch_factor"] is None]
     for factor in factors:
         line = baseline + [row for row in rows if row["prefetch_factor"] == factor]
-        axes.plot([row["num_workers"] for row in line], [row["samples_per_second"] for row in line], marker="o",
-                  label=f"prefetch_factor={factor}")  # fmt: skip
+        axes.plot(
+            [row["num_workers"] for row in line],
+            [row["samples_per_second"] for row in line],
+            marker="o",
+            label=f"prefetch_factor={factor}",
+        )
     if not factors:
         axes.plot([row["num_workers"] for row in rows], [row["samples_per_second"] for row in rows], marker="o")
     axes.set_xlabel("num_workers")

@@ -59,8 +59,9 @@ def decode_batch(encoded: Sequence[bytes], device: str | torch.device = "cpu") -
     return io.decode_jpeg(_as_tensors(encoded), mode=io.ImageReadMode.RGB, device=device)
 
 
-def photo_jpegs(images: torch.Tensor, side: int, *, grain: float = 8.0, quality: int = 90,
-                seed: int = 0) -> list[bytes]:  # fmt: skip
+def photo_jpegs(
+    images: torch.Tensor, side: int, *, grain: float = 8.0, quality: int = 90, seed: int = 0
+) -> list[bytes]:
     """uint8 images (N, 3, H, W) → JPEG bytes of side×side: upscaled (bilinear), with Gaussian grain of std `grain`
     (in 0–255 levels) so that they cost what photographs cost to decode.
 
@@ -130,8 +131,49 @@ def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("nan")
 
 
-def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, num_workers: int = 2,
-                 repeats: int = 2, gpu: bool | None = None) -> Table:  # fmt: skip
+def _best_rate(run, count: int, repeats: int) -> float:
+    """The best images/s of `repeats` passes of `run` over `count` images."""
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        rates.append(_rate(count, time.perf_counter() - started))
+    return max(rates)
+
+
+def _each(chunks, work, device: torch.device) -> None:
+    """`work` on every chunk, then wait for the device: a GPU pass is timed to its end."""
+    for chunk in chunks:
+        work(chunk)
+    synchronize(device)
+
+
+class _PerImageInWorkers:
+    """Passes over a DataLoader that decodes and augments per image in `workers` processes; `warm_up()`
+    starts the workers just before this row is timed, so that their start-up is not in its rate."""
+
+    def __init__(self, encoded, size: int, batch_size: int, workers: int):
+        self.dataset, self.batch_size, self.workers = EncodedImages(encoded, size), batch_size, workers
+        self.loader = None
+
+    def warm_up(self) -> None:
+        self.loader = DataLoader(self.dataset, batch_size=self.batch_size, num_workers=self.workers,
+                                 persistent_workers=self.workers > 0)  # fmt: skip
+        next(iter(self.loader))
+
+    def __call__(self) -> list:
+        return list(self.loader)
+
+
+def decode_table(
+    encoded: Sequence[bytes],
+    *,
+    size: int,
+    batch_size: int = 64,
+    num_workers: int = 2,
+    repeats: int = 2,
+    gpu: bool | None = None,
+) -> Table:
     """images/s of every decode and augment path on the same JPEG bytes (see the module docstring).
 
     Each row is the best of `repeats` passes over `encoded`; CPU rows state the processes and threads
@@ -142,69 +184,38 @@ def decode_table(encoded: Sequence[bytes], *, size: int, batch_size: int = 64, n
         raise ValueError("no JPEG bytes to decode: pass a non-empty list (e.g. from gk.data.formats.encode).")
     if gpu and not torch.cuda.is_available():
         raise ValueError("decode_table(gpu=True) needs a CUDA GPU and there is none here; pass gpu=None or False.")
-    threads = torch.get_num_threads()
     cuda = torch.cuda.is_available() if gpu is None else gpu
-    skipped = "skipped: no GPU" if gpu is None else "skipped: gpu=False"
-    gpu = torch.device("cuda") if cuda else None
-    count = len(encoded)
-
-    def best(run) -> float:
-        rates = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            run()
-            rates.append(_rate(count, time.perf_counter() - started))
-        return max(rates)
-
-    def batches():
-        for start in range(0, count, batch_size):
-            yield encoded[start : start + batch_size]
-
-    rows = [
-        {"path": "PIL, one image at a time", "device": "cpu", "cpu_cores_used": "1 process, 1 thread",
-         "images_per_second": best(lambda: [decode_pil(data) for data in encoded])},
-        {"path": "decode_jpeg, batched", "device": "cpu", "cpu_cores_used": "1 process, 1 thread",
-         "images_per_second": best(lambda: [decode_batch(chunk) for chunk in batches()])},
+    device = torch.device("cuda") if cuda else None
+    chunks = [encoded[start : start + batch_size] for start in range(0, len(encoded), batch_size)]
+    threads, workers = torch.get_num_threads(), min(num_workers, os.cpu_count() or 1)
+    augment = "decode batched + transforms.v2 on the batch"
+    cases = [  # (path, device, CPU cores used, one pass over the images)
+        ("PIL, one image at a time", "cpu", "1 process, 1 thread", lambda: [decode_pil(data) for data in encoded]),
+        ("decode_jpeg, batched", "cpu", "1 process, 1 thread", lambda: [decode_batch(chunk) for chunk in chunks]),
+        ("decode_jpeg, batched", "cuda", "1 process", lambda: _each(chunks, lambda c: decode_batch(c, device), device)),
+        (f"decode + transforms.v2 per image, {workers} DataLoader workers", "cpu",
+         f"{workers} worker processes, 1 thread each", _PerImageInWorkers(encoded, size, batch_size, workers)),
+        (augment, "cpu", "1 process, 1 thread" if threads == 1 else f"1 process, up to {threads} threads",
+         lambda: [_augment_batch(decode_batch(chunk), size) for chunk in chunks]),
+        (augment, "cuda", "1 process", lambda: _each(chunks, lambda c: _augment_batch(decode_batch(c, device), size),
+                                                     device)),
     ]  # fmt: skip
     if cuda:
-        decode_batch(encoded[:batch_size], gpu)  # initialise nvJPEG before timing
-
-        def on_gpu():
-            for chunk in batches():
-                decode_batch(chunk, gpu)
-            synchronize(gpu)
-
-        rows.append({"path": "decode_jpeg, batched", "device": "cuda", "cpu_cores_used": "1 process",
-                     "images_per_second": best(on_gpu)})  # fmt: skip
-    else:
-        rows.append({"path": "decode_jpeg, batched", "device": "cuda", "cpu_cores_used": "-",
-                     "images_per_second": None, "note": skipped})  # fmt: skip
-
-    workers = min(num_workers, os.cpu_count() or 1)
-    loader = DataLoader(EncodedImages(encoded, size), batch_size=batch_size, num_workers=workers,
-                        persistent_workers=workers > 0)  # fmt: skip
-    next(iter(loader))  # start the workers before timing
-    rows.append({"path": f"decode + transforms.v2 per image, {workers} DataLoader workers", "device": "cpu",
-                 "cpu_cores_used": f"{workers} worker processes, 1 thread each",
-                 "images_per_second": best(lambda: [batch for batch in loader])})  # fmt: skip
-
-    rows.append({"path": "decode batched + transforms.v2 on the batch", "device": "cpu",
-                 "cpu_cores_used": "1 process, 1 thread" if threads == 1 else f"1 process, up to {threads} threads",
-                 "images_per_second": best(lambda: [_augment_batch(decode_batch(chunk), size) for chunk in batches()])})  # fmt: skip
-    if cuda:
-
-        def augment_on_gpu():
-            for chunk in batches():
-                _augment_batch(decode_batch(chunk, gpu), size)
-            synchronize(gpu)
-
-        rows.append({"path": "decode batched + transforms.v2 on the batch", "device": "cuda",
-                     "cpu_cores_used": "1 process", "images_per_second": best(augment_on_gpu)})  # fmt: skip
-    else:
-        rows.append({"path": "decode batched + transforms.v2 on the batch", "device": "cuda", "cpu_cores_used": "-",
-                     "images_per_second": None, "note": skipped})  # fmt: skip
+        decode_batch(encoded[:batch_size], device)  # initialise nvJPEG before timing
+    skipped = "skipped: no GPU" if gpu is None else "skipped: gpu=False"
+    rows = []
+    for path, where, cores, run in cases:
+        row = {"path": path, "device": where, "cpu_cores_used": cores if where == "cpu" or cuda else "-"}
+        if where == "cuda" and not cuda:
+            rows.append(row | {"images_per_second": None, "note": skipped})
+        else:
+            getattr(run, "warm_up", lambda: None)()
+            rows.append(row | {"images_per_second": _best_rate(run, len(encoded), repeats)})
     for row in rows:
         row.setdefault("note", "")
     shape = decode_batch(encoded[:1])[0].shape
-    return Table(rows, title=f"decode and augment {count} JPEGs of {shape[1]}×{shape[2]} to {size}×{size}, batches "
-                             f"of {batch_size}, {os.cpu_count()} CPU cores here")  # fmt: skip
+    return Table(
+        rows,
+        title=f"decode and augment {len(encoded)} JPEGs of {shape[1]}×{shape[2]} to {size}×{size}, batches "
+        f"of {batch_size}, {os.cpu_count()} CPU cores here",
+    )

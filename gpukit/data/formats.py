@@ -74,9 +74,14 @@ def decode(data: bytes, name: str, suffix: str | None = None) -> torch.Tensor:
 
 
 def _metadata(dataset: ImageDataset, kind: str, **extra) -> dict:
-    return {"kind": kind, "samples": len(dataset), "classes": list(dataset.classes),
-            "mean": dataset.mean.tolist(), "std": dataset.std.tolist(),
-            "shape": list(dataset.images.shape[1:])} | extra  # fmt: skip
+    return {
+        "kind": kind,
+        "samples": len(dataset),
+        "classes": list(dataset.classes),
+        "mean": dataset.mean.tolist(),
+        "std": dataset.std.tolist(),
+        "shape": list(dataset.images.shape[1:]),
+    } | extra
 
 
 def _fresh_folder(root: Path) -> Path:
@@ -118,8 +123,9 @@ def write_array(dataset: ImageDataset, root: str | os.PathLike) -> Path:
     _check_dataset(dataset)
     root = Path(root)
     temporary = _fresh_folder(root)
-    images = np.lib.format.open_memmap(temporary / "images.npy", mode="w+", dtype=np.uint8,
-                                       shape=tuple(dataset.images.shape))  # fmt: skip
+    images = np.lib.format.open_memmap(
+        temporary / "images.npy", mode="w+", dtype=np.uint8, shape=tuple(dataset.images.shape)
+    )
     images[:] = dataset.images.numpy()
     images.flush()
     del images
@@ -225,8 +231,9 @@ def store_bytes(files) -> int:
     return sum(Path(path).stat().st_size for path in files)
 
 
-def read_throughput(store, *, cold: bool, batch_size: int | None = None, limit: int | None = None,
-                    seed: int = 0) -> dict:  # fmt: skip
+def read_throughput(
+    store, *, cold: bool, batch_size: int | None = None, limit: int | None = None, seed: int = 0
+) -> dict:
     """Read the samples of a FileImages, ArrayImages or ShardLoader store and time it.
 
     cold: evict the store's files from the page cache first and check that it worked
@@ -254,9 +261,14 @@ def read_throughput(store, *, cold: bool, batch_size: int | None = None, limit: 
     read = _read_samples(store, order, batch_size)
     seconds = time.perf_counter() - started
     megabytes = on_disk / 1e6 * read / samples
-    return {"samples": read, "seconds": seconds, "samples_per_second": read / seconds,
-            "megabytes_per_second": megabytes / seconds, "bytes_on_disk": on_disk,
-            "resident_before": resident}  # fmt: skip
+    return {
+        "samples": read,
+        "seconds": seconds,
+        "samples_per_second": read / seconds,
+        "megabytes_per_second": megabytes / seconds,
+        "bytes_on_disk": on_disk,
+        "resident_before": resident,
+    }
 
 
 def _read_samples(store, order: list[int], batch_size: int | None) -> int:

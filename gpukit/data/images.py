@@ -16,11 +16,29 @@ import torch
 from torch.utils.data import Dataset
 
 SHAPE_CLASSES = (
-    "disk", "ring", "square", "frame", "triangle", "cross", "bar", "star", "half-disk", "two-dots",
-)  # fmt: skip
+    "disk",
+    "ring",
+    "square",
+    "frame",
+    "triangle",
+    "cross",
+    "bar",
+    "star",
+    "half-disk",
+    "two-dots",
+)
 CIFAR10_CLASSES = (
-    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
-)  # fmt: skip
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 

@@ -212,9 +212,19 @@ def dataloader(
     )
 
 
-def loader_for(dataset: Dataset, batch_size: int, device: str | torch.device | None = None, *, shuffle: bool,
-               seed: int = 0, channels_last: bool = False, rank: int = 0, world_size: int = 1,
-               pin_memory: bool | None = None, **options) -> Iterable:  # fmt: skip
+def loader_for(
+    dataset: Dataset,
+    batch_size: int,
+    device: str | torch.device | None = None,
+    *,
+    shuffle: bool,
+    seed: int = 0,
+    channels_last: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    pin_memory: bool | None = None,
+    **options,
+) -> Iterable:
     """The one place a Dataset becomes a loader (fit, evaluate and gk.distributed.sharded_loader call it).
 
     An ImageDataset gets the device-resident DeviceLoader, a TokenDataset the TextLoader (each with its
@@ -225,8 +235,9 @@ def loader_for(dataset: Dataset, batch_size: int, device: str | torch.device | N
     device = resolve_device(device)
     shard = {"rank": rank, "world_size": world_size}
     if isinstance(dataset, ImageDataset):
-        return DeviceLoader(dataset, batch_size, shuffle=shuffle, device=device, channels_last=channels_last,
-                            seed=seed, **shard)  # fmt: skip
+        return DeviceLoader(
+            dataset, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed, **shard
+        )
     if isinstance(dataset, TokenDataset):
         return TextLoader(dataset, batch_size, shuffle=shuffle, device=device, seed=seed, **shard)
     pin = device.type == "cuda" if pin_memory is None else pin_memory  # the copy to the GPU can overlap compute
@@ -235,5 +246,12 @@ def loader_for(dataset: Dataset, batch_size: int, device: str | torch.device | N
     if world_size > 1:
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
         return DataLoader(dataset, batch_size, sampler=sampler, drop_last=shuffle, pin_memory=pin, **options)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle, pin_memory=pin,
-                      generator=torch.Generator().manual_seed(seed), **options)  # fmt: skip
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=shuffle,
+        pin_memory=pin,
+        generator=torch.Generator().manual_seed(seed),
+        **options,
+    )

@@ -29,8 +29,10 @@ class CUDAPrefetcher:
 
     def __init__(self, loader: Iterable, device: torch.device):
         if device.type != "cuda":
-            raise ValueError(f"CUDAPrefetcher copies to a CUDA device, got {device}; use prefetch(), which passes "
-                             "batches through unchanged elsewhere.")  # fmt: skip
+            raise ValueError(
+                f"CUDAPrefetcher copies to a CUDA device, got {device}; use prefetch(), which passes "
+                "batches through unchanged elsewhere."
+            )
         self.loader, self.device = loader, device
         self.stream = torch.cuda.Stream(device)
 

@@ -51,8 +51,14 @@ class ShardError(ValueError):
     """A shard is missing, empty, truncated or holds a sample that cannot be read."""
 
 
-def write_shards(dataset: ImageDataset, root: str | os.PathLike, *, samples_per_shard: int = 1000,
-                 format: str = "jpeg", quality: int = 90) -> Path:  # fmt: skip
+def write_shards(
+    dataset: ImageDataset,
+    root: str | os.PathLike,
+    *,
+    samples_per_shard: int = 1000,
+    format: str = "jpeg",
+    quality: int = 90,
+) -> Path:
     """The dataset as WebDataset tar shards root/shard-000000.tar, … with `samples_per_shard` samples each.
 
     Each sample is `{index}.jpg` (or `.png`) and `{index}.cls` (the label as text). root/.index.json
@@ -74,14 +80,20 @@ def write_shards(dataset: ImageDataset, root: str | os.PathLike, *, samples_per_
         with open(temporary / name, "wb") as file:
             with _webdataset().TarWriter(file, mtime=0) as writer:  # an integer mtime: no PAX header per member
                 for index in range(start, stop):
-                    writer.write({"__key__": f"{index:07d}", extension: encode(dataset.images[index], format, quality),
-                                  "cls": str(labels[index])})  # fmt: skip
+                    writer.write(
+                        {
+                            "__key__": f"{index:07d}",
+                            extension: encode(dataset.images[index], format, quality),
+                            "cls": str(labels[index]),
+                        }
+                    )
             file.flush()
             os.fsync(file.fileno())
         with tarfile.open(temporary / name) as tar:  # where each member's bytes start: read without parsing headers
             members = [[member.name, member.offset_data, member.size] for member in tar]
-        shards.append({"name": name, "samples": stop - start, "bytes": (temporary / name).stat().st_size,
-                       "members": members})  # fmt: skip
+        shards.append(
+            {"name": name, "samples": stop - start, "bytes": (temporary / name).stat().st_size, "members": members}
+        )
     index = _metadata(dataset, "shards", format=format, shards=shards)
     write_atomic(temporary / INDEX, json.dumps(index).encode())
     return _publish(temporary, root)
@@ -94,8 +106,9 @@ def _seed(*parts: int) -> int:
     return value
 
 
-def read_shard(path: Path, expected: int | None = None, members: list | None = None,
-               size: int | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:  # fmt: skip
+def read_shard(
+    path: Path, expected: int | None = None, members: list | None = None, size: int | None = None
+) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, {extension: bytes}) for each sample of one tar shard, in order.
 
     With `members` ([name, data offset, size] per tar member, recorded by write_shards) the shard is read
@@ -180,8 +193,19 @@ def _image_entry(path: Path, key: str, parts: dict[str, bytes]) -> tuple[str, by
 class ShardDataset(IterableDataset):
     """One epoch of samples from tar shards, split over DataLoader workers and shuffled through a buffer."""
 
-    def __init__(self, root: Path, shards: list[dict], *, shuffle: bool, shuffle_buffer: int, seed: int, epoch: int,
-                 mean: torch.Tensor | None, std: torch.Tensor | None, raw: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        shards: list[dict],
+        *,
+        shuffle: bool,
+        shuffle_buffer: int,
+        seed: int,
+        epoch: int,
+        mean: torch.Tensor | None,
+        std: torch.Tensor | None,
+        raw: bool = False,
+    ):
         self.root, self.shards = root, shards
         self.shuffle, self.shuffle_buffer = shuffle, shuffle_buffer
         self.seed, self.epoch = seed, epoch
@@ -204,8 +228,10 @@ class ShardDataset(IterableDataset):
                 try:
                     label = int(parts["cls"])
                 except (KeyError, ValueError):
-                    raise ShardError(f"sample {key!r} in shard {path} has no readable label (a .cls entry holding an "
-                                     "integer); write the shards with gk.data.write_shards.") from None  # fmt: skip
+                    raise ShardError(
+                        f"sample {key!r} in shard {path} has no readable label (a .cls entry holding an "
+                        "integer); write the shards with gk.data.write_shards."
+                    ) from None
                 try:
                     image = decode(data, f"sample {key!r} ({extension}) in shard {path}", "." + extension)
                 except ValueError as error:
@@ -233,9 +259,20 @@ class ShardLoader:
     drop_last (default: shuffle) drops each worker's last partial batch, so every batch is full.
     """
 
-    def __init__(self, root: str | os.PathLike, batch_size: int, *, shuffle: bool = True, shuffle_buffer: int = 1000,
-                 num_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool | None = None,
-                 drop_last: bool | None = None, normalize: bool = True, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        shuffle_buffer: int = 1000,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool | None = None,
+        drop_last: bool | None = None,
+        normalize: bool = True,
+        seed: int = 0,
+    ):
         check_int("batch_size", batch_size)
         check_workers(num_workers, prefetch_factor)
         self.root = Path(root)
@@ -243,8 +280,10 @@ class ShardLoader:
         self.shards = self.index["shards"]
         missing = [shard["name"] for shard in self.shards if not (self.root / shard["name"]).is_file()]
         if missing:
-            raise ShardError(f"shard(s) {', '.join(missing)} listed in {self.root / INDEX} are missing; write the "
-                             "shards again with gk.data.write_shards.")  # fmt: skip
+            raise ShardError(
+                f"shard(s) {', '.join(missing)} listed in {self.root / INDEX} are missing; write the "
+                "shards again with gk.data.write_shards."
+            )
         if not self.shards or sum(shard["samples"] for shard in self.shards) == 0:
             raise ShardError(f"{self.root} holds no samples; write a non-empty dataset with gk.data.write_shards.")
         self.classes = tuple(self.index["classes"])
@@ -262,9 +301,17 @@ class ShardLoader:
         self.epoch = epoch
 
     def dataset(self, epoch: int | None = None, raw: bool = False) -> ShardDataset:
-        return ShardDataset(self.root, self.shards, shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer,
-                            seed=self.seed, epoch=self.epoch if epoch is None else epoch,
-                            mean=self.mean if self.normalize else None, std=self.std, raw=raw)  # fmt: skip
+        return ShardDataset(
+            self.root,
+            self.shards,
+            shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            seed=self.seed,
+            epoch=self.epoch if epoch is None else epoch,
+            mean=self.mean if self.normalize else None,
+            std=self.std,
+            raw=raw,
+        )
 
     def __len__(self) -> int:
         """Batches per epoch: each worker batches its own shards (the same for every epoch's shard order
@@ -277,9 +324,14 @@ class ShardLoader:
         return total
 
     def __iter__(self) -> Iterator:
-        loader = DataLoader(self.dataset(), batch_size=self.batch_size, num_workers=self.num_workers,
-                            prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory,
-                            drop_last=self.drop_last)  # fmt: skip
+        loader = DataLoader(
+            self.dataset(),
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            drop_last=self.drop_last,
+        )
         yield from loader
         self.epoch += 1
 
@@ -299,5 +351,7 @@ class ShardLoader:
         return read
 
     def __repr__(self) -> str:
-        return (f"ShardLoader({self.samples} samples in {len(self.shards)} shards at {self.root}, batch_size="
-                f"{self.batch_size}, num_workers={self.num_workers}, shuffle_buffer={self.shuffle_buffer})")  # fmt: skip
+        return (
+            f"ShardLoader({self.samples} samples in {len(self.shards)} shards at {self.root}, batch_size="
+            f"{self.batch_size}, num_workers={self.num_workers}, shuffle_buffer={self.shuffle_buffer})"
+        )

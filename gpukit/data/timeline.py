@@ -76,9 +76,16 @@ def _merge(intervals):
     return merged
 
 
-def trace_steps(loader: Iterable, model: nn.Module, *, steps: int = 6, device: str | torch.device | None = None,
-                precision: str = "fp32", loss_fn: str | Callable | None = None,
-                chrome_trace: str | os.PathLike | None = None) -> Trace:  # fmt: skip
+def trace_steps(
+    loader: Iterable,
+    model: nn.Module,
+    *,
+    steps: int = 6,
+    device: str | torch.device | None = None,
+    precision: str = "fp32",
+    loss_fn: str | Callable | None = None,
+    chrome_trace: str | os.PathLike | None = None,
+) -> Trace:
     """Profile `steps` training steps on a copy of `model` fed by `loader` (through `prefetch` on CUDA)."""
     device = resolve_device(device)
     precision = get_precision(precision, device)

@@ -89,9 +89,10 @@ def _files(paths, pattern: str) -> list[Path]:
             files.append(path)
         elif path.is_dir():
             found = sorted(
-                file for file in path.rglob(pattern)
+                file
+                for file in path.rglob(pattern)
                 if file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts)
-            )  # fmt: skip
+            )
             if not found:
                 raise FileNotFoundError(
                     f"no files matching {pattern!r} in {path.resolve()}; check the folder or pattern."

@@ -61,18 +61,24 @@ class Workload:
 # Published single-GPU throughputs turned into compute time per step (batch / images per second).
 WORKLOADS = {
     "ResNet-50, V100, fp32": Workload(
-        "ResNet-50, V100, fp32", 25.6e6 * 4, 112 / 367,
+        "ResNet-50, V100, fp32",
+        25.6e6 * 4,
+        112 / 367,
         "NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README: 367 img/s on 1 V100 (FP32, batch 112)",
     ),
     "ResNet-50, V100, mixed precision": Workload(
-        "ResNet-50, V100, mixed precision", 25.6e6 * 4, 256 / 1200,
+        "ResNet-50, V100, mixed precision",
+        25.6e6 * 4,
+        256 / 1200,
         "NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README: 1200 img/s on 1 V100 (AMP, batch 256)",
     ),
     "ResNet-101, P100 (Horovod)": Workload(
-        "ResNet-101, P100 (Horovod)", 44.5e6 * 4, 64 / (1656.82 / 16),
+        "ResNet-101, P100 (Horovod)",
+        44.5e6 * 4,
+        64 / (1656.82 / 16),
         "Horovod docs/benchmarks.md: batch 64, 1656.82 img/s on 16 GPUs (about 104 img/s per GPU)",
     ),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -89,22 +95,33 @@ class Published:
 
 PUBLISHED = (
     Published(
-        "ResNet-50 fp32, 8 V100 (DDP)", 8, 2855 / (8 * 367), "NVLink 2 (DGX-1, V100)", "ResNet-50, V100, fp32",
+        "ResNet-50 fp32, 8 V100 (DDP)",
+        8,
+        2855 / (8 * 367),
+        "NVLink 2 (DGX-1, V100)",
+        "ResNet-50, V100, fp32",
         "NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5 README, 'Training performance: "
         "NVIDIA DGX-1 16GB (8x V100 16GB)': 367 img/s on 1 GPU, 2855 img/s on 8 (7.76x)",
     ),
     Published(
-        "ResNet-50 mixed precision, 8 V100 (DDP)", 8, 8322 / (8 * 1200), "NVLink 2 (DGX-1, V100)",
+        "ResNet-50 mixed precision, 8 V100 (DDP)",
+        8,
+        8322 / (8 * 1200),
+        "NVLink 2 (DGX-1, V100)",
         "ResNet-50, V100, mixed precision",
         "same table: 1200 img/s on 1 GPU, 8322 img/s on 8 (6.93x)",
     ),
     Published(
-        "ResNet-101, 512 P100 (Horovod)", 512, 0.90, "25 Gb/s Ethernet", "ResNet-101, P100 (Horovod)",
+        "ResNet-101, 512 P100 (Horovod)",
+        512,
+        0.90,
+        "25 Gb/s Ethernet",
+        "ResNet-101, P100 (Horovod)",
         "Sergeev & Del Balso 2018, 'Horovod: fast and easy distributed deep learning in TensorFlow' "
         "(arXiv:1802.05799), and Horovod's README: 90% scaling efficiency on 128 servers x 4 Pascal GPUs, "
         "25 Gbit/s RoCE",
     ),
-)  # fmt: skip
+)
 
 
 def ring_allreduce_time(size_bytes: float, gpus: int, bandwidth: float, latency: float, buckets: int = 1) -> float:
@@ -147,8 +164,15 @@ def predict(
         else:
             exposed = communication
         step = compute_time + exposed
-        rows.append({"gpus": count, "communication": communication, "exposed": exposed, "step_time": step,
-                     "efficiency": compute_time / step})  # fmt: skip
+        rows.append(
+            {
+                "gpus": count,
+                "communication": communication,
+                "exposed": exposed,
+                "step_time": step,
+                "efficiency": compute_time / step,
+            }
+        )
     return rows
 
 

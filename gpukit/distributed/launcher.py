@@ -203,10 +203,15 @@ def _worker_main(local_rank: int, config: _Config) -> None:
     run_dir = Path(config.run_dir)
     _send_output_to(run_dir / f"rank{local_rank}.log")
     os.environ.update(
-        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(config.nprocs),
-        LOCAL_WORLD_SIZE=str(config.nprocs), MASTER_ADDR=HOST, MASTER_PORT=str(config.port),
-        GPUKIT_BACKEND=config.backend, OMP_NUM_THREADS=str(config.threads),
-    )  # fmt: skip
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(config.nprocs),
+        LOCAL_WORLD_SIZE=str(config.nprocs),
+        MASTER_ADDR=HOST,
+        MASTER_PORT=str(config.port),
+        GPUKIT_BACKEND=config.backend,
+        OMP_NUM_THREADS=str(config.threads),
+    )
     torch.set_num_threads(config.threads)
     try:
         if config.payload is not None:
@@ -265,9 +270,13 @@ def _write_error(run_dir: Path, rank: int, error: Exception) -> None:
     except Exception:
         pickled = None
     report = {
-        "rank": rank, "time": time.time(), "type": type(error).__name__, "message": str(error),
-        "traceback": traceback.format_exc(), "exception": pickled,
-    }  # fmt: skip
+        "rank": rank,
+        "time": time.time(),
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": traceback.format_exc(),
+        "exception": pickled,
+    }
     write_atomic(run_dir / f"rank{rank}.error", json.dumps(report).encode())
 
 

@@ -238,9 +238,11 @@ def data_parallel(
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)
     wrapped = DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
         process_group=process_group,
-    )  # fmt: skip
+    )
     if compression is not None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -310,8 +312,9 @@ def sharded_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int 
     else a DataLoader with a DistributedSampler. All reshuffle per epoch consistently across ranks
     (fit calls set_epoch)."""
     device = options.pop("device", default_device())
-    return loader_for(dataset, batch_size, device, shuffle=shuffle, seed=seed, rank=rank(), world_size=world_size(),
-                      **options)  # fmt: skip
+    return loader_for(
+        dataset, batch_size, device, shuffle=shuffle, seed=seed, rank=rank(), world_size=world_size(), **options
+    )
 
 
 def average_parameters(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

@@ -84,10 +84,14 @@ def allreduce_benchmark(sizes: Sequence[int], *, repeats: int = 10, warmup: int 
         parallel.barrier()  # start together, or the first call measures waiting for the others
         seconds = _slowest(timeit(once, device=device, warmup=warmup, repeats=repeats).median)
         algorithm = message.nbytes / seconds
-        rows.append({
-            "bytes": message.nbytes, "seconds": seconds, "algorithm_GBps": algorithm / 1e9,
-            "bus_GBps": bus_bandwidth(algorithm, count) / 1e9,
-        })  # fmt: skip
+        rows.append(
+            {
+                "bytes": message.nbytes,
+                "seconds": seconds,
+                "algorithm_GBps": algorithm / 1e9,
+                "bus_GBps": bus_bandwidth(algorithm, count) / 1e9,
+            }
+        )
     return rows
 
 
@@ -266,11 +270,17 @@ def compare_parallelism(
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         seconds, held, peak = _slowest(seconds), _slowest(held), _slowest(peak)
         images_per_step = batch_size * (2 if name.startswith("pipeline") else ranks)
-        rows.append({
-            "strategy": name, "ranks": ranks, "images_per_step": images_per_step, "step_time": seconds,
-            "images_per_second": images_per_step / seconds, "state_bytes_per_rank": int(held),
-            "peak_memory": int(peak) if device.type == "cuda" else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "strategy": name,
+                "ranks": ranks,
+                "images_per_step": images_per_step,
+                "step_time": seconds,
+                "images_per_second": images_per_step / seconds,
+                "state_bytes_per_rank": int(held),
+                "peak_memory": int(peak) if device.type == "cuda" else None,
+            }
+        )
 
     torch.manual_seed(0)
     model = parallel.data_parallel(make_model().to(device))

@@ -29,9 +29,13 @@ SHARDINGS = ("ddp", "ddp+zero", "fsdp2")
 
 
 def zero_optimizer(
-    model: nn.Module, optimizer: str = "adamw", *, lr: float = 1e-3, weight_decay: float = 0.0,
+    model: nn.Module,
+    optimizer: str = "adamw",
+    *,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
     no_decay_1d: bool | None = None,
-) -> torch.optim.Optimizer:  # fmt: skip
+) -> torch.optim.Optimizer:
     """A ZeroRedundancyOptimizer over `model`'s parameters (a bare model or its DDP wrapper) for an
     optimizer name of gpukit.optim, with the same parameter groups as make_optimizer gives it.
     Call inside a distributed job (after gk.distributed.setup())."""
@@ -84,16 +88,23 @@ def compare_sharding(
             optimizer_object = make_optimizer(optimizer, model, lr, weight_decay)
         else:
             trained = data_parallel(model)
-            optimizer_object = (zero_optimizer(model, optimizer, lr=lr, weight_decay=weight_decay)
-                                if sharding == "ddp+zero" else make_optimizer(optimizer, model, lr, weight_decay))  # fmt: skip
+            optimizer_object = (
+                zero_optimizer(model, optimizer, lr=lr, weight_decay=weight_decay)
+                if sharding == "ddp+zero"
+                else make_optimizer(optimizer, model, lr, weight_decay)
+            )
         for inputs, target in mine:
             optimizer_object.zero_grad(set_to_none=True)
             loss_fn(trained(inputs), target).backward()
             optimizer_object.step()
         if sharding == "ddp+zero":
             sizes = state_bytes(model)
-            sizes["optimizer"] = sum(v.nbytes for state in optimizer_object.optim.state.values()
-                                     for v in state.values() if isinstance(v, torch.Tensor))  # fmt: skip
+            sizes["optimizer"] = sum(
+                v.nbytes
+                for state in optimizer_object.optim.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            )
             sizes["total"] = sizes["parameters"] + sizes["gradients"] + sizes["optimizer"]
         else:
             sizes = state_bytes(model, optimizer_object)

@@ -27,9 +27,18 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [
-    "BENIGN_CLOCK_REASONS", "CLOCK_REASONS", "GPU", "GPUS", "add_gpu", "clock_reasons",
-    "find_gpu", "get_gpu", "gpu_table", "reset_gpus", *_HOME,
-]  # fmt: skip
+    "BENIGN_CLOCK_REASONS",
+    "CLOCK_REASONS",
+    "GPU",
+    "GPUS",
+    "add_gpu",
+    "clock_reasons",
+    "find_gpu",
+    "get_gpu",
+    "gpu_table",
+    "reset_gpus",
+    *_HOME,
+]
 
 
 def __getattr__(name: str):

@@ -57,17 +57,34 @@ class ContentionResult:
         return [shared / alone for shared, alone in zip(self.shared, self.alone)]
 
     def table(self) -> Table:
-        rows = [{"process": rank, "alone samples/s": a, "shared samples/s": s, "shared / alone": s / a}
-                for rank, (a, s) in enumerate(zip(self.alone, self.shared))]  # fmt: skip
-        rows.append({"process": "both", "alone samples/s": self.alone_sum, "shared samples/s": self.shared_sum,
-                     "shared / alone": self.shared_sum / self.alone_sum})  # fmt: skip
+        rows = [
+            {"process": rank, "alone samples/s": a, "shared samples/s": s, "shared / alone": s / a}
+            for rank, (a, s) in enumerate(zip(self.alone, self.shared))
+        ]
+        rows.append(
+            {
+                "process": "both",
+                "alone samples/s": self.alone_sum,
+                "shared samples/s": self.shared_sum,
+                "shared / alone": self.shared_sum / self.alone_sum,
+            }
+        )
         where = self.device if self.cores is None else f"CPU core {', '.join(map(str, self.cores))}"
-        return Table(rows, title=f"two training processes sharing {where} ({self.threads} thread(s) each), "
-                                 f"medians of {self.rounds} rounds")  # fmt: skip
+        return Table(
+            rows,
+            title=f"two training processes sharing {where} ({self.threads} thread(s) each), "
+            f"medians of {self.rounds} rounds",
+        )
 
     def plot(self):
-        values = {"0 alone": self.alone[0], "1 alone": self.alone[1], "sum of two alone": self.alone_sum,
-                  "0 shared": self.shared[0], "1 shared": self.shared[1], "both shared": self.shared_sum}  # fmt: skip
+        values = {
+            "0 alone": self.alone[0],
+            "1 alone": self.alone[1],
+            "sum of two alone": self.alone_sum,
+            "0 shared": self.shared[0],
+            "1 shared": self.shared[1],
+            "both shared": self.shared_sum,
+        }
         return plot_bars(values, ylabel="samples/s", title=f"contention on {self.device}")
 
 
@@ -79,8 +96,9 @@ def _worker(make_model, make_batch, steps, rounds, threads, cores, device_name, 
     torch.set_num_threads(threads)
     device = torch.device(device_name)
     model = make_model().to(device)
-    step = TrainStep(model, make_optimizer(optimizer, model.parameters(), 1e-3, 0.0),
-                     get_precision(precision, device), Loss())  # fmt: skip
+    step = TrainStep(
+        model, make_optimizer(optimizer, model.parameters(), 1e-3, 0.0), get_precision(precision, device), Loss()
+    )
     batch = to_device(split_batch(make_batch()), device)
     for _ in range(2):  # warm-up: allocator, cuDNN autotuning
         step(batch)
@@ -134,8 +152,21 @@ def measure_contention(
         threads = os.cpu_count() or 1
     else:
         threads = 1  # the GPU does the work
-    results = launch(_worker, 2, make_model, make_batch, steps, rounds, threads, cores, device_name, optimizer,
-                     precision, backend="gloo", timeout=timeout)  # fmt: skip
+    results = launch(
+        _worker,
+        2,
+        make_model,
+        make_batch,
+        steps,
+        rounds,
+        threads,
+        cores,
+        device_name,
+        optimizer,
+        precision,
+        backend="gloo",
+        timeout=timeout,
+    )
     return ContentionResult(
         alone=[result["alone"] for result in results],
         shared=[result["shared"] for result in results],

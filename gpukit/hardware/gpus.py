@@ -64,11 +64,19 @@ class GPU:
     def row(self) -> dict:
         """A row for a Table."""
         return {
-            "gpu": self.name, "memory GB": self.memory_gb, "bandwidth TB/s": self.bandwidth_tbs,
-            "bf16 TFLOP/s": self.bf16, "fp16 TFLOP/s": self.fp16, "tf32 TFLOP/s": self.tf32, "fp8 TFLOP/s": self.fp8,
-            "fp32 TFLOP/s": self.fp32, "compute capability": "{}.{}".format(*self.compute_capability),
-            "bf16": self.supports_bf16, "fp8": self.supports_fp8, "TDP W": self.tdp_w,
-        }  # fmt: skip
+            "gpu": self.name,
+            "memory GB": self.memory_gb,
+            "bandwidth TB/s": self.bandwidth_tbs,
+            "bf16 TFLOP/s": self.bf16,
+            "fp16 TFLOP/s": self.fp16,
+            "tf32 TFLOP/s": self.tf32,
+            "fp8 TFLOP/s": self.fp8,
+            "fp32 TFLOP/s": self.fp32,
+            "compute capability": "{}.{}".format(*self.compute_capability),
+            "bf16": self.supports_bf16,
+            "fp8": self.supports_fp8,
+            "TDP W": self.tdp_w,
+        }
 
 
 # Dense tensor TFLOP/s. "(½ of N sparse)" marks a dense figure that is half the sheet's sparsity figure.
@@ -131,7 +139,7 @@ _DEFAULTS = [
     # 104.8 FP32, tf32 104.8 (½ of 209.5 sparse), fp16/bf16 with fp32 accumulate 209.5 (½ of 419
     # sparse), fp8 with fp32 accumulate 419 (½ of 838 sparse), 575 W.
     GPU("RTX 5090", 32, 1.792, 104.8, 104.8, 209.5, 209.5, 419.0, (12, 0), 575, ("RTX 5090",)),
-]  # fmt: skip
+]
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in _DEFAULTS}
 

@@ -105,8 +105,15 @@ class Monitor:
     where nothing can be measured; otherwise `available` is False and `reason` says why, once.
     """
 
-    def __init__(self, device="cuda", *, interval: float = 0.1, grid_intensity: float = DEFAULT_GRID_INTENSITY,
-                 strict: bool = False, rapl_root: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        device="cuda",
+        *,
+        interval: float = 0.1,
+        grid_intensity: float = DEFAULT_GRID_INTENSITY,
+        strict: bool = False,
+        rapl_root: str | None = None,
+    ):
         check_number("interval", interval, note="of seconds (0.1 samples at 10 Hz)")
         check_number("grid_intensity", grid_intensity, positive=False, note="(grams of CO₂ per kWh)")
         import torch

@@ -9,6 +9,7 @@ model against a real run at another batch size, so you see how far to trust the 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +39,19 @@ PRICES_SOURCE = (
     "L40S g6e.xlarge), Lambda (A100, H100, H200, B200, per GPU), RunPod (RTX 4090, RTX 5090); approximate"
 )
 PRICES: dict[str, float] = {
-    "T4": 0.53, "L4": 0.80, "A10G": 1.01, "L40S": 1.86, "A100 40GB": 1.29, "A100 80GB": 1.79,
-    "H100 SXM": 2.99, "H100 PCIe": 2.49, "H200": 3.79, "B200": 4.99, "RTX 4090": 0.69, "RTX 5090": 0.89,
-}  # fmt: skip
+    "T4": 0.53,
+    "L4": 0.80,
+    "A10G": 1.01,
+    "L40S": 1.86,
+    "A100 40GB": 1.29,
+    "A100 80GB": 1.79,
+    "H100 SXM": 2.99,
+    "H100 PCIe": 2.49,
+    "H200": 3.79,
+    "B200": 4.99,
+    "RTX 4090": 0.69,
+    "RTX 5090": 0.89,
+}
 
 # Used when mfu="typical": a well-tuned training run of a mid-sized model reaches 30–50% of the
 # dense peak (e.g. PaLM reports 46% on TPU v4, Megatron-LM 40–50% on A100s); small models reach
@@ -61,8 +72,9 @@ def step_traffic(memory: MemoryBreakdown) -> int:
     return 2 * memory.activations + 3 * memory.params + 2 * memory.grads + 2 * memory.optimizer_state
 
 
-def roofline_seconds(flops: float, traffic: float, peak_tflops: float, bandwidth_tbs: float, mfu: float,
-                     launches: int = 0) -> float:  # fmt: skip
+def roofline_seconds(
+    flops: float, traffic: float, peak_tflops: float, bandwidth_tbs: float, mfu: float, launches: int = 0
+) -> float:
     """Step time (s): FLOPs at `mfu` of the peak, bytes at the peak bandwidth, or `launches` kernels
     at LAUNCH_SECONDS each, whichever is slowest."""
     return max(flops / (peak_tflops * 1e12 * mfu), traffic / (bandwidth_tbs * 1e12), launches * LAUNCH_SECONDS)
@@ -107,11 +119,18 @@ class PlanRow:
 
     def as_dict(self) -> dict:
         return {
-            "gpu": self.gpu, "fits": self.fits, "needs": format_bytes(self.needed), "usable": format_bytes(self.usable),
+            "gpu": self.gpu,
+            "fits": self.fits,
+            "needs": format_bytes(self.needed),
+            "usable": format_bytes(self.usable),
             "largest batch": self.largest_batch,
-            "step ms": None if self.step_time is None else self.step_time * 1e3, "bound": self.bound,
-            "hours": self.hours, "$/GPU-h": self.price, "cost $": self.cost, "Pareto": self.pareto,
-        }  # fmt: skip
+            "step ms": None if self.step_time is None else self.step_time * 1e3,
+            "bound": self.bound,
+            "hours": self.hours,
+            "$/GPU-h": self.price,
+            "cost $": self.cost,
+            "Pareto": self.pareto,
+        }
 
 
 @dataclass
@@ -174,11 +193,21 @@ class Plan:
             axis.annotate(row.gpu, (row.hours, row.cost), textcoords="offset points", xytext=(4, 4), fontsize=8)
         frontier = self.pareto
         if frontier:
-            axis.plot([r.hours for r in frontier], [r.cost for r in frontier], "--", color="C3",
-                      label="Pareto frontier (nothing both faster and cheaper)")  # fmt: skip
+            axis.plot(
+                [r.hours for r in frontier],
+                [r.cost for r in frontier],
+                "--",
+                color="C3",
+                label="Pareto frontier (nothing both faster and cheaper)",
+            )
             axis.legend(fontsize=8)
-        axis.set(xlabel="hours to train", ylabel="cost of the run (US$)", xscale="log", yscale="log",
-                 title=f"{self.steps:,} steps at batch {self.batch_size}, MFU {self.mfu:.0%}")  # fmt: skip
+        axis.set(
+            xlabel="hours to train",
+            ylabel="cost of the run (US$)",
+            xscale="log",
+            yscale="log",
+            title=f"{self.steps:,} steps at batch {self.batch_size}, MFU {self.mfu:.0%}",
+        )
         axis.grid(alpha=0.3, which="both")
         figure.tight_layout()
         return figure
@@ -301,13 +330,10 @@ def plan(
     size = sample.size
     target = torch.device("cuda")
 
-    cache: dict[int, MemoryBreakdown] = {}
-
+    @functools.cache
     def predicted(batch_size: int) -> MemoryBreakdown:
-        if batch_size not in cache:
-            cache[batch_size] = predict(model, sample, batch_size, optimizer=optimizer, precision=precision,
-                                        target=target, loss_fn=loss_fn, set_to_none=True)  # fmt: skip
-        return cache[batch_size]
+        return predict(model, sample, batch_size, optimizer=optimizer, precision=precision, target=target,
+                       loss_fn=loss_fn, set_to_none=True)  # fmt: skip
 
     memory = predicted(size)
     flops = flops_per_step(model, resized(sample, size, torch.device("meta")), loss_fn=loss_fn)
@@ -320,30 +346,21 @@ def plan(
     if mfu == "typical":
         mfu_value, mfu_source = TYPICAL_MFU, "typical value, see TYPICAL_MFU"
     elif mfu == "measured":
-        double = (flops_per_step(model, resized(sample, 2 * size, torch.device("meta")), loss_fn=loss_fn),
-                  step_traffic(predicted(2 * size)))  # fmt: skip
-        mfu_value, mfu_source, check = _measure(model, sample, size, flops, double, optimizer, precision, device,
-                                                loss_fn, repeats)  # fmt: skip
+        double = (
+            flops_per_step(model, resized(sample, 2 * size, torch.device("meta")), loss_fn=loss_fn),
+            step_traffic(predicted(2 * size)),
+        )
+        mfu_value, mfu_source, check = _measure(
+            model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats
+        )
     else:
         mfu_value, mfu_source = float(mfu), "given"
-
-    rows = []
-    for gpu in chosen:
-        usable = usables[gpu.memory_bytes]
-        peak = gpu.peak_tflops(precision)
-        fits = memory.total <= usable
-        step_time = bound = hours = cost = None
-        if peak is not None:
-            roofs = {"compute": flops / (peak * 1e12 * mfu_value), "memory": traffic / (gpu.bandwidth_tbs * 1e12),
-                     "launch": kernels * LAUNCH_SECONDS}  # fmt: skip
-            bound = max(roofs, key=roofs.get)
-            step_time = roofs[bound]
-        price = price_table.get(gpu.name)
-        if fits and step_time is not None:
-            hours = step_time * steps / 3600
-            cost = hours * price if price is not None else None
-        rows.append(PlanRow(gpu.name, gpu.memory_bytes, usable, memory.total, fits, largest[gpu.memory_bytes],
-                            step_time, bound, hours, price, cost))  # fmt: skip
+    work = {"flops": flops, "traffic": traffic, "kernels": kernels, "mfu": mfu_value, "steps": steps}
+    rows = [
+        _row(gpu, usables[gpu.memory_bytes], memory.total, largest[gpu.memory_bytes], price_table.get(gpu.name),
+             precision, **work)
+        for gpu in chosen
+    ]  # fmt: skip
     if not any(row.fits for row in rows):
         raise ValueError(_fits_nowhere(rows, memory, size, precision, optimizer))
     _mark_pareto(rows)
@@ -352,13 +369,36 @@ def plan(
                 mfu_source, source, check)  # fmt: skip
 
 
+def _row(gpu: GPU, usable: int, needed: int, largest: int, price, precision: str, *, flops, traffic, kernels, mfu,
+         steps) -> PlanRow:  # fmt: skip
+    """One GPU's row: does the step fit, the roofline step time and what bounds it, time and cost of the run."""
+    peak = gpu.peak_tflops(precision)
+    fits = needed <= usable
+    step_time = bound = hours = cost = None
+    if peak is not None:
+        roofs = {
+            "compute": flops / (peak * 1e12 * mfu),
+            "memory": traffic / (gpu.bandwidth_tbs * 1e12),
+            "launch": kernels * LAUNCH_SECONDS,
+        }
+        bound = max(roofs, key=roofs.get)
+        step_time = roofs[bound]
+    if fits and step_time is not None:
+        hours = step_time * steps / 3600
+        cost = hours * price if price is not None else None
+    return PlanRow(gpu.name, gpu.memory_bytes, usable, needed, fits, largest, step_time, bound, hours, price, cost)
+
+
 def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, precision: str, optimizer: str) -> str:
     biggest = max(rows, key=lambda row: row.usable)
-    fixes = [f"a smaller batch ({biggest.largest_batch} fits the {biggest.gpu})" if biggest.largest_batch else None,
-             "precision='bf16-mixed'" if precision in ("fp32", "tf32") else None,
-             "optimizer='sgd' (less optimizer state)" if optimizer != "sgd" else None,
-             "activation checkpointing (gk.memory.apply_activation_checkpointing)", "gradient accumulation (fit(accumulate=k))",
-             "sharding over several GPUs (FSDP, lesson 04)"]  # fmt: skip
+    fixes = [
+        f"a smaller batch ({biggest.largest_batch} fits the {biggest.gpu})" if biggest.largest_batch else None,
+        "precision='bf16-mixed'" if precision in ("fp32", "tf32") else None,
+        "optimizer='sgd' (less optimizer state)" if optimizer != "sgd" else None,
+        "activation checkpointing (gk.memory.apply_activation_checkpointing)",
+        "gradient accumulation (fit(accumulate=k))",
+        "sharding over several GPUs (FSDP, lesson 04)",
+    ]
     return (
         f"a step at batch {size} needs {format_bytes(memory.total)}, but the largest GPU in the table, the "
         f"{biggest.gpu}, has {format_bytes(biggest.usable)} usable: {format_bytes(memory.total - biggest.usable)} "
@@ -401,10 +441,15 @@ def _measure_here(model, sample, size, flops, double, optimizer, precision, devi
     # (FLOPs, bytes) at 2·size; launch latency is part of the MFU measured here, so no third roof.
     predicted = roofline_seconds(*double, peak, bandwidth, mfu_value)
     check = {
-        "device": name, "peak TFLOP/s": peak, "bandwidth TB/s": bandwidth, "MFU at batch": size,
-        "predicted batch": 2 * size, "predicted ms": predicted * 1e3, "measured ms": measured[2 * size] * 1e3,
+        "device": name,
+        "peak TFLOP/s": peak,
+        "bandwidth TB/s": bandwidth,
+        "MFU at batch": size,
+        "predicted batch": 2 * size,
+        "predicted ms": predicted * 1e3,
+        "measured ms": measured[2 * size] * 1e3,
         "error": predicted / measured[2 * size] - 1,
-    }  # fmt: skip
+    }
     source = (
         f"measured for this model on {name} in {precision}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
     )

@@ -40,18 +40,40 @@ from .plan import BatchSizePlan, max_batch_size
 from .prediction import OPTIMIZER_STATE, estimate, optimizer_state_bytes
 
 __all__ = [
-    "OPTIMIZER_STATE", "BatchSizePlan", "ActivationCheckpointingPlan", "Measurement", "MemoryBreakdown", "Snapshot",
-    "TrainingOutOfMemoryError", "activation_checkpointing", "apply_activation_checkpointing", "breakdown",
-    "breakdown_table", "estimate", "expandable_segments", "find_blocks", "free_memory",
-    "has_activation_checkpointing", "limit_gpu_memory", "max_batch_size", "measure", "optimizer_state_bytes",
-    "plot_breakdowns", "plot_memory_timeline", "record_snapshot", "remove_activation_checkpointing",
-]  # fmt: skip
+    "OPTIMIZER_STATE",
+    "BatchSizePlan",
+    "ActivationCheckpointingPlan",
+    "Measurement",
+    "MemoryBreakdown",
+    "Snapshot",
+    "TrainingOutOfMemoryError",
+    "activation_checkpointing",
+    "apply_activation_checkpointing",
+    "breakdown",
+    "breakdown_table",
+    "estimate",
+    "expandable_segments",
+    "find_blocks",
+    "free_memory",
+    "has_activation_checkpointing",
+    "limit_gpu_memory",
+    "max_batch_size",
+    "measure",
+    "optimizer_state_bytes",
+    "plot_breakdowns",
+    "plot_memory_timeline",
+    "record_snapshot",
+    "remove_activation_checkpointing",
+]
 
-__getattr__ = renamed(__name__, {
-    "checkpointing": "gpukit.memory:activation_checkpointing",
-    "table": "gpukit.memory.parts:breakdown_table",
-    "plot_timeline": "gpukit.memory.parts:plot_memory_timeline",
-    "CUDA_BLOCK": "gpukit.memory.counting:CUDA_BLOCK",
-    "out_of_memory_error": "gpukit.memory.allocator:out_of_memory_error",
-    "watch_out_of_memory": "gpukit.memory.allocator:watch_out_of_memory",
-})  # fmt: skip
+__getattr__ = renamed(
+    __name__,
+    {
+        "checkpointing": "gpukit.memory:activation_checkpointing",
+        "table": "gpukit.memory.parts:breakdown_table",
+        "plot_timeline": "gpukit.memory.parts:plot_memory_timeline",
+        "CUDA_BLOCK": "gpukit.memory.counting:CUDA_BLOCK",
+        "out_of_memory_error": "gpukit.memory.allocator:out_of_memory_error",
+        "watch_out_of_memory": "gpukit.memory.allocator:watch_out_of_memory",
+    },
+)

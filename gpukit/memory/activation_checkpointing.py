@@ -280,9 +280,12 @@ def has_activation_checkpointing(model: nn.Module) -> bool:
     return getattr(model, _PLAN, None) is not None
 
 
-__getattr__ = renamed(__name__, {
-    "apply_checkpointing": "gpukit.memory.activation_checkpointing:apply_activation_checkpointing",
-    "remove_checkpointing": "gpukit.memory.activation_checkpointing:remove_activation_checkpointing",
-    "is_checkpointed": "gpukit.memory.activation_checkpointing:has_activation_checkpointing",
-    "CheckpointPlan": "gpukit.memory.activation_checkpointing:ActivationCheckpointingPlan",
-})  # fmt: skip
+__getattr__ = renamed(
+    __name__,
+    {
+        "apply_checkpointing": "gpukit.memory.activation_checkpointing:apply_activation_checkpointing",
+        "remove_checkpointing": "gpukit.memory.activation_checkpointing:remove_activation_checkpointing",
+        "is_checkpointed": "gpukit.memory.activation_checkpointing:has_activation_checkpointing",
+        "CheckpointPlan": "gpukit.memory.activation_checkpointing:ActivationCheckpointingPlan",
+    },
+)

@@ -37,9 +37,18 @@ class TrainingOutOfMemoryError(torch.OutOfMemoryError):
     torch.OutOfMemoryError, so `except torch.OutOfMemoryError` catches it.
     """
 
-    def __init__(self, message: str, *, phase: str = "", device: str = "", requested: int | None = None,
-                 free: int | None = None, total: int | None = None, allocated: int | None = None,
-                 reserved: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str = "",
+        device: str = "",
+        requested: int | None = None,
+        free: int | None = None,
+        total: int | None = None,
+        allocated: int | None = None,
+        reserved: int | None = None,
+    ):
         super().__init__(message)
         self.phase, self.device = phase, device
         self.requested, self.free, self.total = requested, free, total  # bytes, None where unknown
@@ -73,9 +82,12 @@ def watch_out_of_memory() -> None:
 
 
 _WHERE = {
-    "forward": "in the forward pass", "backward": "in the backward pass", "optimizer step": "in the optimizer step",
-    "loading data": "while loading a batch", "evaluation": "in evaluation",
-}  # fmt: skip
+    "forward": "in the forward pass",
+    "backward": "in the backward pass",
+    "optimizer step": "in the optimizer step",
+    "loading data": "while loading a batch",
+    "evaluation": "in evaluation",
+}
 _ADVICE = {
     "forward": "the forward pass keeps activations for backward, which grow with the batch",
     "backward": "the backward pass holds the saved activations and the new gradients, which grow with the batch",
@@ -87,8 +99,10 @@ _ADVICE = {
 
 def _fixes(phase: str, batch_size: int, accumulate: int) -> str:
     if phase == "optimizer step":
-        return ("try optimizer='sgd' (one state tensor per parameter, AdamW keeps two), a smaller model, or "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True if reserved is far above allocated")  # fmt: skip
+        return (
+            "try optimizer='sgd' (one state tensor per parameter, AdamW keeps two), a smaller model, or "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True if reserved is far above allocated"
+        )
     if phase == "loading data":
         return "keep the dataset on the CPU (gk.data.dataloader) or train on a subset"
     if phase == "evaluation":
@@ -107,8 +121,15 @@ def _fixes(phase: str, batch_size: int, accumulate: int) -> str:
     )
 
 
-def out_of_memory_error(error: BaseException, phase: str, device: torch.device, *, batch_size: int,
-                        accumulate: int = 1, precision: str = "fp32") -> TrainingOutOfMemoryError:  # fmt: skip
+def out_of_memory_error(
+    error: BaseException,
+    phase: str,
+    device: torch.device,
+    *,
+    batch_size: int,
+    accumulate: int = 1,
+    precision: str = "fp32",
+) -> TrainingOutOfMemoryError:
     """The error fit() raises for `error` (a torch.OutOfMemoryError) in `phase`.
 
     Reads the numbers it reports now, while the failed step's tensors are still alive; it
@@ -126,8 +147,13 @@ def out_of_memory_error(error: BaseException, phase: str, device: torch.device, 
         if fraction < 1:  # under a cap (limit_gpu_memory), the room left is the cap's, not the device's
             total = int(fraction * torch.cuda.get_device_properties(index).total_memory)
             free, where = min(max(total - reserved, 0), free), "under this process's memory cap"
-        facts |= {"free": free, "total": total, "requested": refused.get("requested"),
-                  "allocated": torch.cuda.memory_allocated(index), "reserved": reserved}  # fmt: skip
+        facts |= {
+            "free": free,
+            "total": total,
+            "requested": refused.get("requested"),
+            "allocated": torch.cuda.memory_allocated(index),
+            "reserved": reserved,
+        }
         asked = f"asked for {format_bytes(facts['requested'])}" if facts["requested"] is not None else "asked for more"
         numbers = (
             f"it {asked} while {format_bytes(free)} of {format_bytes(total)} was free {where}; PyTorch had "

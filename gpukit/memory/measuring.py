@@ -225,7 +225,7 @@ class MeasuredStep:
             DataDependentOutputException,
             DynamicOutputShapeException,
             UnsupportedOperatorException,
-        )  # fmt: skip
+        )
 
         try:
             self.run()
@@ -250,11 +250,18 @@ class MeasuredStep:
 
     def result(self, tracker, grads, optimizer_state, saved, **fields) -> MemoryBreakdown:
         return MemoryBreakdown(
-            batch_size=self.batch.size, params=storage_bytes(self.model.parameters()),
-            buffers=storage_bytes(self.model.buffers()), grads=grads, optimizer_state=optimizer_state,
-            activations=saved.bytes, peak_phase=tracker.peak_phase, layers=dict(saved.by_module),
-            timeline=list(tracker.samples), phases=list(tracker.phase_starts), **fields,
-        )  # fmt: skip
+            batch_size=self.batch.size,
+            params=storage_bytes(self.model.parameters()),
+            buffers=storage_bytes(self.model.buffers()),
+            grads=grads,
+            optimizer_state=optimizer_state,
+            activations=saved.bytes,
+            peak_phase=tracker.peak_phase,
+            layers=dict(saved.by_module),
+            timeline=list(tracker.samples),
+            phases=list(tracker.phase_starts),
+            **fields,
+        )
 
 
 def _cublas_workspace_bytes() -> int:
@@ -315,10 +322,19 @@ def breakdown(
         torch.cuda.synchronize(device)
         peak_allocated = torch.cuda.max_memory_allocated(device)
         fields = {
-            "total": peak_allocated - baseline, "source": "measured on CUDA: torch.cuda.max_memory_allocated",
+            "total": peak_allocated - baseline,
+            "source": "measured on CUDA: torch.cuda.max_memory_allocated",
             "allocator_cache": torch.cuda.max_memory_reserved(device) - peak_allocated,
             "allocated_timeline": list(tracker.allocator_samples),
             "allocator_slack": tracker.most_storages * CUDA_UNSPLIT + 2 * _cublas_workspace_bytes(),
-        }  # fmt: skip
-    return measured.result(tracker, grads, optimizer_state, saved, device=device.type, precision=precision.name,
-                           optimizer=optimizer_name, **fields)  # fmt: skip
+        }
+    return measured.result(
+        tracker,
+        grads,
+        optimizer_state,
+        saved,
+        device=device.type,
+        precision=precision.name,
+        optimizer=optimizer_name,
+        **fields,
+    )

@@ -59,9 +59,12 @@ class MemoryBreakdown:
     def parts(self) -> dict[str, int]:
         """The stacked categories, in bytes (the allocator cache only where measured)."""
         parts = {
-            "parameters": self.params + self.buffers, "gradients": self.grads,
-            "optimizer state": self.optimizer_state, "saved activations": self.activations, "other": self.other,
-        }  # fmt: skip
+            "parameters": self.params + self.buffers,
+            "gradients": self.grads,
+            "optimizer state": self.optimizer_state,
+            "saved activations": self.activations,
+            "other": self.other,
+        }
         if self.allocator_cache is not None:
             parts["allocator cache"] = self.allocator_cache
         return parts
@@ -85,8 +88,10 @@ class MemoryBreakdown:
         )
 
     def largest_layers(self, count: int = 5) -> Table:
-        rows = [{"module": name, "saved (MiB)": size / 2**20, "% of activations": 100 * size / max(self.activations, 1)}
-                for name, size in Counter(self.layers).most_common(count)]  # fmt: skip
+        rows = [
+            {"module": name, "saved (MiB)": size / 2**20, "% of activations": 100 * size / max(self.activations, 1)}
+            for name, size in Counter(self.layers).most_common(count)
+        ]
         return Table(rows, title=f"the {count} modules that save the most for backward")
 
     def plot(self, **kwargs):
@@ -107,9 +112,13 @@ def breakdown_table(
 
 
 _COLOURS = {
-    "parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868",
-    "saved activations": "#c44e52", "other": "#8c8c8c", "allocator cache": "#d9d9d9",
-}  # fmt: skip
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer state": "#55a868",
+    "saved activations": "#c44e52",
+    "other": "#8c8c8c",
+    "allocator cache": "#d9d9d9",
+}
 
 
 def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], title: str = "where training memory goes"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from torch import nn
 from ..precision import Precision
 from ..report import format_bytes
 from ..step import Batch
+from ..validation import check_int
 from .allocator import free_memory
 from .measuring import breakdown, check_model, sample_batch
 from .parts import MemoryBreakdown
@@ -92,6 +94,34 @@ def max_batch_size(
     target = target_device(device)
     precision = precision_name(precision)
     on_gpu = target.type == "cuda" and torch.cuda.is_available()
+    budget = _check_budget(budget, margin, global_batch_size, target, on_gpu)
+    options = dict(optimizer=optimizer, precision=precision, loss_fn=loss_fn, set_to_none=set_to_none)
+
+    @functools.cache
+    def prediction(size: int) -> MemoryBreakdown:
+        return predict(model, batch, size, target=target, **options)
+
+    usable = int(budget * (1 - margin))
+    low = _largest_that_fits(prediction, usable, largest)
+    plan = BatchSizePlan(low, int(budget), margin, prediction(low).total, low, source=f"predicted for {target.type}")
+    if low == largest:
+        plan.source += f" (the search stopped at largest={largest}: more may fit)"
+    if on_gpu and probe:
+        _probe(plan, model, batch, device=target, **options)
+        plan.predicted_peak = prediction(plan.batch_size).total
+    if global_batch_size is not None:  # the fewest micro-batches of equal size that fit
+        plan.global_batch_size = global_batch_size
+        plan.accumulate = next(
+            k
+            for k in range(1, global_batch_size + 1)
+            if global_batch_size % k == 0 and global_batch_size // k <= plan.batch_size
+        )
+        plan.micro_batch_size = global_batch_size // plan.accumulate
+    return plan
+
+
+def _check_budget(budget, margin, global_batch_size, target: torch.device, on_gpu: bool) -> int | float:
+    """The budget in bytes (default: what the GPU has free for training), refused before any work if wrong."""
     if budget is None:
         if not on_gpu:
             raise ValueError(
@@ -103,16 +133,13 @@ def max_batch_size(
         raise ValueError(f"budget must be a positive number of bytes, got {budget!r}; e.g. 16 * 2**30 for 16 GiB.")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}; 0.1 keeps 10% of the budget free.")
-    if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
-        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
-    usable = int(budget * (1 - margin))
-    predicted: dict[int, MemoryBreakdown] = {}
+    if global_batch_size is not None:
+        check_int("global_batch_size", global_batch_size)
+    return budget
 
-    def prediction(size: int) -> MemoryBreakdown:
-        if size not in predicted:
-            predicted[size] = predict(model, batch, size, optimizer=optimizer, precision=precision, target=target,
-                                      loss_fn=loss_fn, set_to_none=set_to_none)  # fmt: skip
-        return predicted[size]
+
+def _largest_that_fits(prediction, usable: int, largest: int) -> int:
+    """The largest batch size whose `prediction(size).total` is at most `usable` bytes (searching up to `largest`)."""
 
     def peak(size: int) -> int:
         return prediction(size).total
@@ -146,22 +173,7 @@ def max_batch_size(
             f"not even a batch of 1 fits {format_bytes(usable)}: one step needs {format_bytes(peak(1))}, most of it "
             "parameters, gradients and optimizer state. Use optimizer='sgd', a smaller model, or a larger budget."
         )
-    plan = BatchSizePlan(low, int(budget), margin, peak(low), low, source=f"predicted for {target.type}")
-    if low == largest:
-        plan.source += f" (the search stopped at largest={largest}: more may fit)"
-    if on_gpu and probe:
-        _probe(plan, model, batch, optimizer=optimizer, precision=precision, device=target, loss_fn=loss_fn,
-               set_to_none=set_to_none)  # fmt: skip
-        plan.predicted_peak = peak(plan.batch_size)
-    if global_batch_size is not None:
-        plan.global_batch_size = global_batch_size
-        plan.accumulate = next(
-            k
-            for k in range(1, global_batch_size + 1)
-            if global_batch_size % k == 0 and global_batch_size // k <= plan.batch_size
-        )
-        plan.micro_batch_size = global_batch_size // plan.accumulate
-    return plan
+    return low
 
 
 def _probe(
@@ -180,8 +192,15 @@ def _probe(
     size = plan.batch_size
     for _ in range(tries):
         try:
-            measured = breakdown(model, repeated(batch, size), optimizer=optimizer, precision=precision,
-                                 device=device, loss_fn=loss_fn, set_to_none=set_to_none).total  # fmt: skip
+            measured = breakdown(
+                model,
+                repeated(batch, size),
+                optimizer=optimizer,
+                precision=precision,
+                device=device,
+                loss_fn=loss_fn,
+                set_to_none=set_to_none,
+            ).total
         except torch.OutOfMemoryError:
             measured = None
         free_memory(device)

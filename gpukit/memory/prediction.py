@@ -80,8 +80,9 @@ def resized(batch: Batch, batch_size: int, device: torch.device) -> Batch:
     return Batch(new.args, new.kwargs, new.target, batch_size)
 
 
-def predict(model, batch: Batch, batch_size: int, *, optimizer, precision: str, target: torch.device, loss_fn,
-            set_to_none: bool) -> MemoryBreakdown:  # fmt: skip
+def predict(
+    model, batch: Batch, batch_size: int, *, optimizer, precision: str, target: torch.device, loss_fn, set_to_none: bool
+) -> MemoryBreakdown:
     """One prediction: the measured step of breakdown(), run on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -98,8 +99,17 @@ def predict(model, batch: Batch, batch_size: int, *, optimizer, precision: str, 
         source = f"predicted with fake tensors on {simulated.type.upper()}"
         if target.type == "cuda":
             source += " for CUDA (blocks of 512 bytes; cuDNN/cuBLAS workspaces not included)"
-        return measured.result(tracker, grads, optimizer_state, saved, total=tracker.peak, source=source,
-                               device=target.type, precision=precision, optimizer=optimizer_name)  # fmt: skip
+        return measured.result(
+            tracker,
+            grads,
+            optimizer_state,
+            saved,
+            total=tracker.peak,
+            source=source,
+            device=target.type,
+            precision=precision,
+            optimizer=optimizer_name,
+        )
 
 
 def estimate(
@@ -133,10 +143,18 @@ def estimate(
     if not sizes or not all(is_int(size) and size >= 1 for size in sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}.")
     predictions = [
-        predict(model, batch, size, optimizer=optimizer, precision=precision, target=target, loss_fn=loss_fn,
-                set_to_none=set_to_none)
+        predict(
+            model,
+            batch,
+            size,
+            optimizer=optimizer,
+            precision=precision,
+            target=target,
+            loss_fn=loss_fn,
+            set_to_none=set_to_none,
+        )
         for size in sizes
-    ]  # fmt: skip
+    ]
     return predictions[0] if batch_sizes is None else predictions
 
 
@@ -146,9 +164,16 @@ def estimate(
 # Adagrad one running sum of squared gradients, Adam, AdamW and LAMB two moments. timm's LAMB
 # counts steps per group, not per tensor.
 OPTIMIZER_STATE = {
-    "sgd": (1, 0), "momentum": (1, 0), "nesterov": (1, 0), "lars": (1, 0),
-    "adam": (2, 4), "adamw": (2, 4), "lamb": (2, 0), "rmsprop": (1, 4), "adagrad": (1, 4),
-}  # fmt: skip
+    "sgd": (1, 0),
+    "momentum": (1, 0),
+    "nesterov": (1, 0),
+    "lars": (1, 0),
+    "adam": (2, 4),
+    "adamw": (2, 4),
+    "lamb": (2, 0),
+    "rmsprop": (1, 4),
+    "adagrad": (1, 4),
+}
 
 
 def optimizer_state_bytes(model: nn.Module, optimizer: str = "adamw") -> int:

@@ -10,6 +10,13 @@ from .loop import NonFiniteLossError, as_loader, fit
 from .lr_finder import LRFinderResult, lr_find
 
 __all__ = [
-    "CheckpointError", "History", "HistoryFileError", "LRFinderResult", "NonFiniteLossError", "as_loader", "evaluate",
-    "fit", "lr_find",
-]  # fmt: skip
+    "CheckpointError",
+    "History",
+    "HistoryFileError",
+    "LRFinderResult",
+    "NonFiniteLossError",
+    "as_loader",
+    "evaluate",
+    "fit",
+    "lr_find",
+]

@@ -38,7 +38,7 @@ class Checkpointer:
                     "seconds": history.seconds,
                     "batch_size": history.batch_size,
                     "sample_name": history.sample_name,
-                },  # fmt: skip
+                },
                 "rng": torch.get_rng_state(),
             },
             self.path,

@@ -17,8 +17,16 @@ from ..validation import check_int
 DEVICE_LOADERS = (DeviceLoader, TextLoader)  # loaders that keep the whole dataset on the device
 
 
-def as_loader(data, batch_size: int | None, device: torch.device, *, shuffle: bool, channels_last: bool = False,
-              seed: int = 0, shard: bool = True) -> Iterable:  # fmt: skip
+def as_loader(
+    data,
+    batch_size: int | None,
+    device: torch.device,
+    *,
+    shuffle: bool,
+    channels_last: bool = False,
+    seed: int = 0,
+    shard: bool = True,
+) -> Iterable:
     """What fit and evaluate iterate over: a loader as given, or one built for a Dataset.
 
     An ImageDataset gets the device-resident DeviceLoader, a TokenDataset the TextLoader, any

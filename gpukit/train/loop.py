@@ -129,15 +129,27 @@ def fit(
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
     forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
     run = _Run(
-        model=model, device=device, precision=precision, loss=loss, metrics=metrics, loader=loader,
-        parallel=parallel, step=TrainStep(forward, built, precision, loss, parameters=model.parameters(),
-                                          accumulate=accumulate, clip=clip),
-        scheduler=make_schedule(built, schedule, total_steps, warmup), peak_lr=peak_lr,
-        steps_per_epoch=steps_per_epoch, total_steps=total_steps, log_every=log_every,
-        channels_last=channels_last, eval_data=eval_data, micro_batch_size=getattr(loader, "batch_size", None),
+        model=model,
+        device=device,
+        precision=precision,
+        loss=loss,
+        metrics=metrics,
+        loader=loader,
+        parallel=parallel,
+        step=TrainStep(
+            forward, built, precision, loss, parameters=model.parameters(), accumulate=accumulate, clip=clip
+        ),
+        scheduler=make_schedule(built, schedule, total_steps, warmup),
+        peak_lr=peak_lr,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        log_every=log_every,
+        channels_last=channels_last,
+        eval_data=eval_data,
+        micro_batch_size=getattr(loader, "batch_size", None),
         eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
-    )  # fmt: skip
+    )
     del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
     run.resume_from(checkpoint_dir)
     run.start_reporting(log_dir, progress, live_plot, monitor)
@@ -254,8 +266,12 @@ class _Run:
     def resume_from(self, checkpoint_dir) -> None:
         if checkpoint_dir is None:
             return
-        plan = {"total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
-                "batch_size": getattr(self.loader, "batch_size", None), "accumulate": self.accumulate}  # fmt: skip
+        plan = {
+            "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "batch_size": getattr(self.loader, "batch_size", None),
+            "accumulate": self.accumulate,
+        }
         self.checkpoint = Checkpointer(checkpoint_dir, plan)
         self.start_epoch, self.step_index = self.checkpoint.resume(
             self.model, self.step.optimizer, self.scheduler, self.precision, self.history
@@ -266,8 +282,9 @@ class _Run:
         """The TensorBoard log, the progress bar and the monitor: one of each per job, on its first rank."""
         main = distributed.is_main()
         self.board = open_log(log_dir if main else None)  # fails before training if the folder is unusable
-        self.bar = Progress(total=self.total_steps, initial=self.step_index, enabled=progress and main,
-                            live_plot=live_plot)  # fmt: skip
+        self.bar = Progress(
+            total=self.total_steps, initial=self.step_index, enabled=progress and main, live_plot=live_plot
+        )
         self.watcher = _start_monitor(monitor, self.device)
         if self.device.type == "cuda":
             watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
@@ -302,8 +319,14 @@ def _train(run: _Run, epochs: int) -> History:
                 _end_epoch(run, epoch, *_train_epoch(run, epoch))
     except torch.OutOfMemoryError as out_of_memory:
         # Read the numbers now; keep no reference to the original error, whose traceback holds the step's tensors.
-        error = out_of_memory_error(out_of_memory, run.phase, run.device, batch_size=run.micro_batch_size or 0,
-                                    accumulate=run.accumulate, precision=run.precision.name)  # fmt: skip
+        error = out_of_memory_error(
+            out_of_memory,
+            run.phase,
+            run.device,
+            batch_size=run.micro_batch_size or 0,
+            accumulate=run.accumulate,
+            precision=run.precision.name,
+        )
     finally:
         run.close()
     if error is None:
@@ -362,8 +385,11 @@ def _first_batch(run: _Run, batch: Batch) -> None:
     run.history.batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
     run.history.sample_name = batch.sample_name
     if run.channels_last and not any(t.dim() == 4 and t.is_floating_point() for t in batch.tensors()):
-        warnings.warn("channels_last=True applies to 4-D image batches; these inputs have none, so "
-                      "only the model's 4-D weights were converted.", stacklevel=5)  # fmt: skip
+        warnings.warn(
+            "channels_last=True applies to 4-D image batches; these inputs have none, so "
+            "only the model's 4-D weights were converted.",
+            stacklevel=5,
+        )
 
 
 def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Window) -> None:
@@ -396,8 +422,15 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     run.phase = "evaluation"
     row = {"epoch": epoch + 1} | tally.read("train_")
     if run.eval_data is not None:
-        result = evaluate(run.model, run.eval_data, precision=run.precision, device=run.device,
-                          channels_last=run.channels_last, loss_fn=run.eval_loss, metrics=run.metrics)  # fmt: skip
+        result = evaluate(
+            run.model,
+            run.eval_data,
+            precision=run.precision,
+            device=run.device,
+            channels_last=run.channels_last,
+            loss_fn=run.eval_loss,
+            metrics=run.metrics,
+        )
         row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
     row["peak_memory"] = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
     row |= {"seconds": seconds} | energy
@@ -407,8 +440,9 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     run.phase = "loading data"
     if run.checkpoint is not None:
         if distributed.is_main():  # one writer: every rank holds the same state
-            run.checkpoint.save(epoch + 1, run.step_index, run.model, run.step.optimizer, run.scheduler,
-                                run.precision, run.history)  # fmt: skip
+            run.checkpoint.save(
+                epoch + 1, run.step_index, run.model, run.step.optimizer, run.scheduler, run.precision, run.history
+            )
         distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
 
 
@@ -439,9 +473,13 @@ class _Window:
         sums, ranks = self.sums.read(), distributed.world_size()
         elapsed = time.perf_counter() - self.started  # after the synchronisation: the GPU's work is done
         row = {
-            "step": step, "epoch": epoch, "loss": sums["loss"] / (ranks * self.micro_batches), "lr": lr,
-            "step_time": elapsed / self.steps, "samples_per_second": self.samples * ranks / elapsed,
-        }  # fmt: skip
+            "step": step,
+            "epoch": epoch,
+            "loss": sums["loss"] / (ranks * self.micro_batches),
+            "lr": lr,
+            "step_time": elapsed / self.steps,
+            "samples_per_second": self.samples * ranks / elapsed,
+        }
         if self.sequences:
             row["tokens_per_second"] = sums["tokens"] / elapsed
         return row

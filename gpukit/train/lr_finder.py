@@ -51,8 +51,10 @@ class LRFinderResult:
         return plot_lr_find(self, title=title)
 
     def __repr__(self) -> str:
-        return (f"LRFinderResult(suggestion={self.suggestion:.3g} ({self.rule}), steepest={self.steepest:.3g}, "
-                f"steps={len(self.lrs)}, {self.stopped})")  # fmt: skip
+        return (
+            f"LRFinderResult(suggestion={self.suggestion:.3g} ({self.rule}), steepest={self.steepest:.3g}, "
+            f"steps={len(self.lrs)}, {self.stopped})"
+        )
 
 
 def _check(start_lr, end_lr, steps, smoothing, diverge) -> None:
@@ -115,8 +117,7 @@ def lr_find(
     original_device = next(model.parameters()).device
     saved_model = {name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=True).items()}
     saved_grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
-    saved_optimizer = (copy.deepcopy(optimizer.state_dict()) if isinstance(optimizer, torch.optim.Optimizer)
-                       else None)  # fmt: skip
+    saved_optimizer = copy.deepcopy(optimizer.state_dict()) if isinstance(optimizer, torch.optim.Optimizer) else None
     try:
         model.to(device)
         built = make_optimizer(optimizer, model, start_lr, weight_decay)
@@ -184,7 +185,10 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
     finite = [i for i, value in enumerate(smoothed) if math.isfinite(value) and i >= skip]
     lowest = min(finite, key=smoothed.__getitem__) if finite else 0
     # Slope of the smoothed loss per decade of lr, over the points up to the minimum.
-    slopes = [(smoothed[i + 1] - smoothed[i]) / math.log10(lrs[i + 1] / lrs[i]) for i in range(max(lowest, 1))
-              if i + 1 < len(smoothed)]  # fmt: skip
+    slopes = [
+        (smoothed[i + 1] - smoothed[i]) / math.log10(lrs[i + 1] / lrs[i])
+        for i in range(max(lowest, 1))
+        if i + 1 < len(smoothed)
+    ]
     steepest = lrs[min(range(len(slopes)), key=slopes.__getitem__)] if slopes else lrs[0]
     return LRFinderResult(lrs, losses, smoothed, suggestion=lrs[lowest] / 10, steepest=steepest, stopped=stopped)

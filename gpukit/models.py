@@ -324,29 +324,11 @@ class GPT(nn.Module):
         return tokens
 
 
-def gpt(
-    vocab_size: int = 256,
-    *,
-    max_seq_len: int = 256,
-    width: int = 128,
-    depth: int = 4,
-    heads: int = 4,
-    positions: str = "learned",
-    mlp_ratio: float = 4,
-    dropout: float = 0.0,
-) -> GPT:
-    """The kit's small GPT: about 0.85 M parameters at the defaults (bytes as tokens, 256 of them).
+def gpt(vocab_size: int = 256, **sizes) -> GPT:
+    """The kit's small GPT, GPT(vocab_size, **sizes) (max_seq_len, width, depth, heads, positions,
+    mlp_ratio, dropout): about 0.85 M parameters at the defaults (bytes as tokens, 256 of them).
 
     Parameters: vocab_size·width (embedding and head, tied) + max_seq_len·width (learned
     positions only) + depth·(4 + 2·mlp_ratio)·width² (attention and MLP) + LayerNorms.
     """
-    return GPT(
-        vocab_size,
-        max_seq_len=max_seq_len,
-        width=width,
-        depth=depth,
-        heads=heads,
-        positions=positions,
-        mlp_ratio=mlp_ratio,
-        dropout=dropout,
-    )
+    return GPT(vocab_size, **sizes)

@@ -318,7 +318,7 @@ def test_fit_data_on_cuda_is_pinned_and_prefetched(fake_cuda):
     loader = train_data.as_loader(dataset, 8, CUDA, shuffle=True)
     assert loader.pin_memory and isinstance(train_data.batches(loader, CUDA), CUDAPrefetcher)
     assert gk.data.dataloader(dataset, 8).pin_memory  # the default follows detect(): a CUDA GPU is present
-    batch = train_data.prepare(next(iter(loader)), CUDA, channels_last=False)
+    batch = train_data.batch_on_device(next(iter(loader)), CUDA, channels_last=False)
     assert batch.args[0].is_cuda and batch.target.is_cuda
     assert [(copy["pinned"], copy["non_blocking"]) for copy in fake_cuda.copies] == [(True, True)] * 2  # asynchronous
 

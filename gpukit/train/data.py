@@ -79,7 +79,7 @@ def batches(loader, device: torch.device) -> Iterable:
     return prefetch(loader, device) if isinstance(loader, (DataLoader, ShardLoader)) else loader
 
 
-def prepare(raw, device: torch.device, channels_last: bool) -> Batch:
+def batch_on_device(raw, device: torch.device, channels_last: bool) -> Batch:
     """A batch as it comes from the loader → split into inputs and target, on `device`."""
     batch = to_device(split_batch(raw), device)
     if channels_last:

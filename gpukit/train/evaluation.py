@@ -10,7 +10,7 @@ from torch import nn
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Loss, training_mode, unpack_outputs
-from .data import as_loader, prepare
+from .data import as_loader, batch_on_device
 from .tally import Tally, check_metrics
 
 
@@ -42,7 +42,7 @@ def evaluate(
     tally = Tally(device, loss, metrics)
     with training_mode(model, False):
         for raw in loader:
-            batch = prepare(raw, device, channels_last)
+            batch = batch_on_device(raw, device, channels_last)
             with precision.autocast():
                 prediction, model_loss = unpack_outputs(batch.call(model))
                 value = loss(prediction, batch.target, model_loss)

@@ -35,7 +35,7 @@ from ..step import Batch, Loss, TrainStep
 from ..validation import check_int
 from ..widgets import Progress
 from .checkpoint import Checkpointer
-from .data import as_loader, batches, length, prepare
+from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
 from .history import History
 from .tally import RunningSums, Tally, check_metrics
@@ -356,7 +356,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
     for raw in batches(loader, run.device):
         if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
             break  # leftover micro-batches would leave gradients behind for the next step
-        batch = prepare(raw, run.device, run.channels_last)
+        batch = batch_on_device(raw, run.device, run.channels_last)
         if not run.seen_a_batch:
             _first_batch(run, batch)
         last = (micro + 1) % run.accumulate == 0  # the micro-batch whose backward ends an optimizer step

@@ -22,7 +22,7 @@ from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
 from ..validation import check_int
-from .data import as_loader, length, prepare
+from .data import as_loader, batch_on_device, length
 
 SUGGESTION_RULE = "the lr at the minimum of the smoothed loss ÷ 10"
 
@@ -163,7 +163,7 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
                     raw = next(batches)
                 except StopIteration:
                     raise ValueError(_too_short(steps * accumulate, index * accumulate, steps, accumulate)) from None
-                loss, _, _ = step.forward(prepare(raw, device, False))
+                loss, _, _ = step.forward(batch_on_device(raw, device, False))
                 step.backward(loss)
                 total += loss.detach()
             step.step()

@@ -24,6 +24,18 @@ from .hardware.gpus import find_gpu
 from .precision import PRECISIONS, matmul_format
 from .step import Loss, forward_backward
 
+__all__ = [
+    "Timing",
+    "compare",
+    "flops_per_step",
+    "matmul_tflops",
+    "mfu",
+    "peak_tflops",
+    "ratios",
+    "synchronize",
+    "timeit",
+]
+
 
 @dataclass
 class Timing:

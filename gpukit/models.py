@@ -15,6 +15,8 @@ from torch import nn
 
 from .validation import check_int
 
+__all__ = ["GPT", "POSITIONS", "FastCNN", "count_parameters", "fast_cnn", "gpt", "linear_classifier", "resnet18"]
+
 
 def conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:
     """3×3 convolution → BatchNorm → GELU. The conv has no bias: BatchNorm's shift replaces it."""

@@ -30,6 +30,18 @@ from torch import nn
 
 from .validation import check_number
 
+__all__ = [
+    "DEFAULT_LRS",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "MuonWithAdamW",
+    "check_lr",
+    "default_lr",
+    "make_optimizer",
+    "make_schedule",
+    "muon_parameters",
+]
+
 SCHEDULES = ("onecycle", "linear", "constant")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lars", "muon")
 DEFAULT_LR = 0.05  # fit's peak learning rate for the SGD family given by name

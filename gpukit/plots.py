@@ -9,6 +9,18 @@ from collections.abc import Mapping, Sequence
 from . import runfile
 from .report import Table
 
+__all__ = [
+    "compare",
+    "plot_bars",
+    "plot_curves",
+    "plot_history",
+    "plot_lr_find",
+    "plot_lr_sensitivity",
+    "plot_monitor",
+    "plot_spread",
+    "show_images",
+]
+
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.5):
     import matplotlib.pyplot as plt

@@ -34,6 +34,21 @@ from torch.utils._pytree import tree_map
 
 from .precision import Precision, get_precision
 
+__all__ = [
+    "IGNORE_INDEX",
+    "LOSSES",
+    "Batch",
+    "Loss",
+    "TrainStep",
+    "cross_entropy",
+    "forward_backward",
+    "mean_squared_error",
+    "split_batch",
+    "to_device",
+    "training_mode",
+    "unpack_outputs",
+]
+
 IGNORE_INDEX = -100  # targets equal to this are not scored (PyTorch's and Hugging Face's convention)
 LOSSES = ("cross_entropy", "mse")
 BATCH_FORMS = (

@@ -225,3 +225,19 @@ def test_no_function_is_longer_than_80_lines():
                 if lines > 80:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+NAMESPACES = ["gpukit", "gpukit.bench", "gpukit.step", "gpukit.optim", "gpukit.plots", "gpukit.models"]
+
+
+@pytest.mark.parametrize("name", NAMESPACES + sorted(name for name in MODULES if is_package(name) and name != "gpukit"))
+def test_every_package_and_namespace_module_has_a_curated_all(name):
+    """What a learner reaches as gk.<name>.<thing>: listed in __all__, every entry real and public."""
+    import importlib
+
+    module = importlib.import_module(name)
+    listed = getattr(module, "__all__", None)
+    assert listed, f"{name} has no __all__"
+    assert len(listed) == len(set(listed)) and all(not entry.startswith("_") for entry in listed), listed
+    missing = [entry for entry in listed if not hasattr(module, entry)]
+    assert not missing, f"{name}.__all__ names what it does not have: {missing}"

@@ -75,7 +75,7 @@ def gpukit_loop(
         precision=precision,
         device=device,
         progress=progress,
-        optimizer="sgd" if kind == "cnn" else "adamw",
+        optimizer="nesterov" if kind == "cnn" else "adamw",
     )
 
 

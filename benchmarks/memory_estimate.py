@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
-    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--optimizer", default="nesterov")
     parser.add_argument("--image-size", type=int, default=None, help="torchvision models' input size")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")

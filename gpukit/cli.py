@@ -211,7 +211,7 @@ def train_main(args: argparse.Namespace) -> History:
         loader,
         epochs=sizes["--epochs"],
         lr=lr,
-        optimizer="adamw" if text else "sgd",
+        optimizer="adamw" if text else "nesterov",
         weight_decay=0.1 if text else 5e-4,
         precision=args.precision,
         device=device,

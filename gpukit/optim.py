@@ -2,9 +2,10 @@
 
 Names (`make_optimizer`):
 
-    "sgd"        SGD with Nesterov momentum 0.9 (fit's default since the first lesson; the same as "nesterov")
+    "nesterov"   SGD with Nesterov momentum 0.9 (fit's default)
     "momentum"   SGD with heavy-ball momentum 0.9
-    "nesterov"   SGD with Nesterov momentum 0.9
+    "sgd"        deprecated: it has meant Nesterov momentum 0.9, which the name does not say; it warns
+                 and stays "nesterov" for this release, then becomes plain SGD (no momentum)
     "adam"       Adam (weight decay added to the gradient, L2 style)
     "adamw"      AdamW (decoupled weight decay)
     "rmsprop"    RMSprop (no momentum)
@@ -23,6 +24,7 @@ apply `weight_decay` to every parameter (their classic form).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -84,6 +86,13 @@ def default_lr(optimizer) -> float:
 
 
 def _check_name(name: str) -> None:
+    if name == "sgd":
+        warnings.warn(
+            "optimizer='sgd' has meant SGD with Nesterov momentum 0.9; say optimizer='nesterov' (the same) "
+            "or 'momentum'. In the next release 'sgd' will be plain SGD without momentum.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
     if name not in OPTIMIZERS:
         raise ValueError(
             f"optimizer={name!r} is unknown; use one of {', '.join(map(repr, OPTIMIZERS))}, a torch.optim.Optimizer, "
@@ -304,7 +313,7 @@ def make_schedule(
     """Warm-up then one-cycle (cosine) decay, linear decay to zero, or constant.
 
     The peak is each parameter group's learning rate. `warmup` is a fraction of all steps (< 1)
-    or a number of steps (>= 1). The one-cycle schedule is torch's OneCycleLR, with the learning
+    or a number of steps (>= 1; fit takes those as warmup_steps). The one-cycle schedule is torch's OneCycleLR, with the learning
     rate only (momentum is left as set). `total_steps=None` (an unknown length) is allowed only
     for the constant schedule with warm-up given in steps.
     """

@@ -31,7 +31,15 @@ pytestmark = pytest.mark.timeout(300)
 # Identical settings for the one-worker and the two-worker runs; a linear schedule with a fixed
 # warm-up, so the learning rate at each step is the same whatever the batch.
 COMMON = dict(
-    epochs=2, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, log_every=4, seed=3, device="cpu"
+    epochs=2,
+    lr=0.05,
+    optimizer="nesterov",
+    schedule="linear",
+    warmup_steps=2,
+    progress=False,
+    log_every=4,
+    seed=3,
+    device="cpu",
 )
 
 BATCH = 32  # per rank
@@ -76,7 +84,7 @@ TEXT = dict(
     batch_size=8,
     max_steps=6,
     lr=0.05,
-    optimizer="sgd",
+    optimizer="nesterov",
     schedule="constant",
     warmup=0,
     progress=False,

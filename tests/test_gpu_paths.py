@@ -105,7 +105,7 @@ def test_out_of_memory_message_without_a_cap_or_an_observer(fake_cuda):
     )
     assert error.requested is None and (error.free, error.total) == (80 * GiB - CONTEXT_BYTES, 80 * GiB)
     assert "asked for more while" in str(error) and "on the GPU" in str(error) and "× accumulate 4" in str(error)
-    assert "optimizer='sgd'" in str(error)
+    assert "optimizer='nesterov'" in str(error)
 
 
 def test_out_of_memory_watch_does_not_stop_training_under_the_async_allocator(monkeypatch):

@@ -206,8 +206,9 @@ def test_the_code_is_ruff_formatted_with_few_exceptions():
 
     root = PACKAGE.parent
     folders = ["gpukit", "tests", "benchmarks"]
-    check = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", *folders], cwd=root,
-                           capture_output=True, text=True)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *folders], cwd=root, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     skips = [f"{path}:{number}" for folder in folders for path in (root / folder).rglob("*.py")
              for number, line in enumerate(path.read_text().splitlines(), 1) if line.rstrip().endswith("# fmt: skip")]  # fmt: skip

@@ -75,7 +75,7 @@ def test_bf16_prediction_differs_only_by_torchs_batchnorm_statistics_dtype():
 def test_breakdown_counts_each_part_from_the_tensors():
     model = gk.models.fast_cnn(8)
     params = sum(p.numel() * 4 for p in model.parameters())
-    sgd = memory.breakdown(model, images(8), optimizer="sgd", device="cpu")
+    sgd = memory.breakdown(model, images(8), optimizer="nesterov", device="cpu")
     adamw = memory.breakdown(model, images(8), optimizer="adamw", device="cpu")
     assert sgd.params == params and sgd.grads == params  # fp32 gradients, one per parameter
     assert sgd.optimizer_state == params  # SGD's momentum buffer
@@ -387,7 +387,7 @@ def test_out_of_memory_names_the_forward_and_the_optimizer_step(small_data):
         def step(self, closure=None):
             raise torch.OutOfMemoryError("out of memory (injected)")
 
-    with pytest.raises(memory.TrainingOutOfMemoryError, match="in the optimizer step.*optimizer='sgd'") as caught:
+    with pytest.raises(memory.TrainingOutOfMemoryError, match="in the optimizer step.*optimizer='nesterov'") as caught:
         gk.fit(Net(), small_data, batch_size=32, progress=False, device="cpu", optimizer=lambda p: RunsOut(p, lr=0.1))
     assert caught.value.phase == "optimizer step"
 

@@ -94,7 +94,7 @@ def test_biases_and_norms_are_not_decayed(name, build):
     assert plain == _norms_and_biases(model) and decayed == everything - plain and plain
     decayed, plain = _groups(make_optimizer(name, model, 1e-3, 0.1, no_decay_1d=False))
     assert decayed == everything and not plain
-    decayed, plain = _groups(make_optimizer("sgd", model, 1e-3, 0.1))  # the classic form decays everything
+    decayed, plain = _groups(make_optimizer("nesterov", model, 1e-3, 0.1))  # the classic form decays everything
     assert decayed == everything
 
 
@@ -125,7 +125,9 @@ def test_muon_updates_channels_last_filters_through_their_view():
 
 def test_fit_trains_a_cnn_and_a_gpt_with_muon(device):
     images, labels = sample(cnn())
-    options = dict(optimizer="muon", lr=1e-2, schedule="linear", warmup=2, progress=False, log_every=1, device=device)
+    options = dict(
+        optimizer="muon", lr=1e-2, schedule="linear", warmup_steps=2, progress=False, log_every=1, device=device
+    )
     history = gk.fit(cnn(), [(images, labels)] * 15, **options)  # one batch, learnt by heart
     assert history.steps[-1]["loss"] < 0.5 * history.steps[0]["loss"]
     assert len({row["lr"] for row in history.steps}) > 5  # the schedule drove the learning rate

@@ -58,7 +58,7 @@ def test_a_linear_classifier_stays_below_50_percent_on_shapes_in_tiny_profile(de
     tiny = PROFILES["tiny"]
     train, test = shapes(tiny.train_size, tiny.test_size, seed=0)
     best_linear = 0.0
-    for optimizer, lr in (("adamw", 1e-3), ("sgd", 0.01)):  # the baseline gets a fair try at two settings
+    for optimizer, lr in (("adamw", 1e-3), ("nesterov", 0.01)):  # the baseline gets a fair try at two settings
         history = gk.fit(
             gk.models.linear_classifier(),
             train,
@@ -387,7 +387,9 @@ def test_clip_bounds_the_step_of_a_sequence_model(corpus, device):
 def test_accumulation_matches_a_larger_batch_without_batchnorm(small_data, device):
     train, _ = small_data
     models = [mlp(seed=3), mlp(seed=3)]
-    common = dict(epochs=1, lr=0.05, optimizer="sgd", schedule="linear", warmup=2, progress=False, device=device)
+    common = dict(
+        epochs=1, lr=0.05, optimizer="nesterov", schedule="linear", warmup_steps=2, progress=False, device=device
+    )
     gk.fit(models[0], DeviceLoader(train, 64, shuffle=False, device=device), **common)
     gk.fit(models[1], DeviceLoader(train, 16, shuffle=False, device=device), accumulate=4, **common)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -397,7 +399,9 @@ def test_accumulation_matches_a_larger_batch_without_batchnorm(small_data, devic
 def test_accumulation_matches_a_larger_batch_for_a_sequence_model(corpus, device):
     train, _ = corpus
     models = [tiny_gpt(seed=2), tiny_gpt(seed=2)]
-    common = dict(max_steps=10, lr=1e-3, optimizer="adamw", schedule="linear", warmup=2, progress=False, device=device)
+    common = dict(
+        max_steps=10, lr=1e-3, optimizer="adamw", schedule="linear", warmup_steps=2, progress=False, device=device
+    )
     gk.fit(models[0], TextLoader(train, 16, shuffle=False, device=device), **common)
     gk.fit(models[1], TextLoader(train, 4, shuffle=False, device=device), accumulate=4, **common)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -741,3 +745,23 @@ def test_image_dataset_subset_keeps_normalisation(small_data):
     train, _ = small_data
     part = train.subset(10)
     assert isinstance(part, ImageDataset) and len(part) == 10 and torch.equal(part.mean, train.mean)
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_the_old_knobs_warn_and_train_as_their_new_names(kind, small_data, corpus, device):
+    """optimizer='sgd' was Nesterov momentum and warmup >= 1 was steps: both still train exactly as
+    optimizer='nesterov' and warmup_steps=N, with a DeprecationWarning that names the new spelling."""
+    data, make = (small_data[0], lambda: mlp()) if kind == "cnn" else (corpus[0], lambda: tiny_gpt())
+    common = dict(batch_size=64, max_steps=4, lr=0.02, schedule="linear", progress=False, device=device)
+    new_model, old_model = make(), make()
+    new = gk.fit(new_model, data, optimizer="nesterov", warmup_steps=2, **common)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = gk.fit(old_model, data, optimizer="sgd", warmup=2, **common)
+    said = " ".join(str(warning.message) for warning in caught)
+    assert "optimizer='nesterov'" in said and "warmup_steps=2" in said
+    assert [row["lr"] for row in old.steps] == [row["lr"] for row in new.steps]
+    for a, b in zip(new_model.parameters(), old_model.parameters()):
+        assert torch.equal(a, b)
+    for bad in (float("nan"), -0.1):
+        with pytest.raises(ValueError, match="warmup must be a number >= 0"):
+            gk.fit(make(), data, warmup=bad, **common)

@@ -157,8 +157,9 @@ class _PerImageInWorkers:
         self.loader = None
 
     def warm_up(self) -> None:
-        self.loader = DataLoader(self.dataset, batch_size=self.batch_size, num_workers=self.workers,
-                                 persistent_workers=self.workers > 0)  # fmt: skip
+        self.loader = DataLoader(
+            self.dataset, batch_size=self.batch_size, num_workers=self.workers, persistent_workers=self.workers > 0
+        )
         next(iter(self.loader))
 
     def __call__(self) -> list:

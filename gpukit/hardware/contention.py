@@ -125,7 +125,7 @@ def measure_contention(
     steps: int = 10,
     rounds: int = 3,
     device: str | None = None,
-    optimizer: str = "sgd",
+    optimizer: str = "nesterov",
     precision: str = "fp32",
     timeout: float = 300,
 ) -> ContentionResult:

@@ -332,8 +332,16 @@ def plan(
 
     @functools.cache
     def predicted(batch_size: int) -> MemoryBreakdown:
-        return predict(model, sample, batch_size, optimizer=optimizer, precision=precision, target=target,
-                       loss_fn=loss_fn, set_to_none=True)  # fmt: skip
+        return predict(
+            model,
+            sample,
+            batch_size,
+            optimizer=optimizer,
+            precision=precision,
+            target=target,
+            loss_fn=loss_fn,
+            set_to_none=True,
+        )
 
     memory = predicted(size)
     flops = flops_per_step(model, resized(sample, size, torch.device("meta")), loss_fn=loss_fn)
@@ -365,8 +373,22 @@ def plan(
         raise ValueError(_fits_nowhere(rows, memory, size, precision, optimizer))
     _mark_pareto(rows)
     source = PRICES_SOURCE + ("; some given by you" if prices else "")
-    return Plan(rows, size, steps, precision, optimizer, margin, flops, traffic, kernels, memory, mfu_value,
-                mfu_source, source, check)  # fmt: skip
+    return Plan(
+        rows,
+        size,
+        steps,
+        precision,
+        optimizer,
+        margin,
+        flops,
+        traffic,
+        kernels,
+        memory,
+        mfu_value,
+        mfu_source,
+        source,
+        check,
+    )
 
 
 def _row(gpu: GPU, usable: int, needed: int, largest: int, price, precision: str, *, flops, traffic, kernels, mfu,
@@ -394,7 +416,7 @@ def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, preci
     fixes = [
         f"a smaller batch ({biggest.largest_batch} fits the {biggest.gpu})" if biggest.largest_batch else None,
         "precision='bf16-mixed'" if precision in ("fp32", "tf32") else None,
-        "optimizer='sgd' (less optimizer state)" if optimizer != "sgd" else None,
+        "optimizer='nesterov' (less optimizer state)" if optimizer not in ("sgd", "nesterov", "momentum") else None,
         "activation checkpointing (gk.memory.apply_activation_checkpointing)",
         "gradient accumulation (fit(accumulate=k))",
         "sharding over several GPUs (FSDP, lesson 04)",

@@ -100,7 +100,7 @@ _ADVICE = {
 def _fixes(phase: str, batch_size: int, accumulate: int) -> str:
     if phase == "optimizer step":
         return (
-            "try optimizer='sgd' (one state tensor per parameter, AdamW keeps two), a smaller model, or "
+            "try optimizer='nesterov' (one state tensor per parameter, AdamW keeps two), a smaller model, or "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True if reserved is far above allocated"
         )
     if phase == "loading data":

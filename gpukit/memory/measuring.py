@@ -186,7 +186,7 @@ def build_optimizer(optimizer, model: nn.Module, foreach: bool | None) -> tuple[
     """fit's optimizer for `model` (so the memory matches fit's), and its name."""
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            "pass the optimizer as a name ('sgd', 'adamw', ...) or a function of the parameters: an Optimizer "
+            "pass the optimizer as a name ('nesterov', 'adamw', ...) or a function of the parameters: an Optimizer "
             "object is tied to one model's parameters, and memory is measured on a copy."
         )
     built = make_optimizer(optimizer, model, lr=1e-3, weight_decay=5e-4)
@@ -278,7 +278,7 @@ def breakdown(
     batch,
     labels: torch.Tensor | None = None,
     *,
-    optimizer: str | Callable = "sgd",
+    optimizer: str | Callable = "nesterov",
     precision: str | Precision = "fp32",
     device: str | torch.device | None = None,
     loss_fn: str | Callable | None = None,

@@ -72,7 +72,7 @@ def max_batch_size(
     budget: int | None = None,
     margin: float = 0.1,
     global_batch_size: int | None = None,
-    optimizer: str | Callable = "sgd",
+    optimizer: str | Callable = "nesterov",
     precision: str | Precision = "fp32",
     device: str | torch.device | None = None,
     loss_fn: str | Callable | None = None,
@@ -171,7 +171,7 @@ def _largest_that_fits(prediction, usable: int, largest: int) -> int:
     if low == 0:
         raise ValueError(
             f"not even a batch of 1 fits {format_bytes(usable)}: one step needs {format_bytes(peak(1))}, most of it "
-            "parameters, gradients and optimizer state. Use optimizer='sgd', a smaller model, or a larger budget."
+            "parameters, gradients and optimizer state. Use optimizer='nesterov', a smaller model, or a larger budget."
         )
     return low
 

@@ -117,7 +117,7 @@ def estimate(
     batch,
     labels: torch.Tensor | None = None,
     *,
-    optimizer: str | Callable = "sgd",
+    optimizer: str | Callable = "nesterov",
     precision: str | Precision = "fp32",
     batch_sizes: Sequence[int] | None = None,
     device: str | torch.device | None = None,

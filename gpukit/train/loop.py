@@ -32,7 +32,7 @@ from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedu
 from ..precision import Precision, get_precision
 from ..runfile import run_environment
 from ..step import Batch, Loss, TrainStep
-from ..validation import check_int
+from ..validation import check_int, check_number
 from ..widgets import Progress
 from .checkpoint import Checkpointer
 from .data import as_loader, batch_on_device, batches, length
@@ -53,10 +53,11 @@ def fit(
     epochs: int = 1,
     batch_size: int | None = None,
     lr: float | None = None,
-    optimizer: str | torch.optim.Optimizer | Callable = "sgd",
+    optimizer: str | torch.optim.Optimizer | Callable = "nesterov",
     weight_decay: float = 5e-4,
     schedule: str = "onecycle",
     warmup: float = 0.2,
+    warmup_steps: int | None = None,
     precision: str | Precision = "fp32",
     accumulate: int = 1,
     clip: float | None = None,
@@ -87,14 +88,15 @@ def fit(
     batch_size: the micro-batch, for a Dataset (a loader brings its own); `accumulate=k` sums
         gradients over k micro-batches before each optimizer step, which equals one k-times larger
         batch for models without BatchNorm. The schedule counts optimizer steps.
-    optimizer: a name from gpukit.optim.OPTIMIZERS ("sgd" is Nesterov momentum 0.9; "adamw",
+    optimizer: a name from gpukit.optim.OPTIMIZERS ("nesterov": SGD with Nesterov momentum 0.9; "adamw",
         "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer, or a function of
         the parameters; weight_decay applies to optimizers built by name.
     lr: the schedule's peak (default per name, gpukit.optim.DEFAULT_LRS: 0.05 for SGD, 1e-3 for
         AdamW); an Optimizer or a function you pass keeps its own learning rates unless you also
         pass lr.
-    schedule, warmup: "onecycle" (default), "cosine", "linear" or "constant"; warmup is a fraction
-        of the steps below 1, a number of steps from 1 on.
+    schedule, warmup, warmup_steps: "onecycle" (default), "linear" or "constant"; the
+        learning rate warms up over a fraction `warmup` of the steps, or over `warmup_steps` steps
+        when given (data without len() has only steps to count).
     precision: "fp32", "tf32", "bf16-mixed", "fp16-mixed" (with dynamic loss scaling) or a Precision.
     clip: a bound on the gradients' global norm, or None.
     channels_last, compile: the channels_last memory layout for 4-D image batches and weights;
@@ -118,6 +120,7 @@ def fit(
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
+    warmup = _warmup(warmup, warmup_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
     _check_model(model)
@@ -169,6 +172,21 @@ def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_step
         raise ValueError(f"schedule={schedule!r} is unknown; use one of {', '.join(map(repr, SCHEDULES))}.")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}.")
+
+
+def _warmup(warmup, warmup_steps) -> float:
+    """What the schedule warms up over: a fraction of the steps (< 1), or a number of steps (>= 1)."""
+    if warmup_steps is not None:
+        return check_int("warmup_steps", warmup_steps, minimum=0)
+    check_number("warmup", warmup, positive=False, note="(a fraction of the steps; warmup_steps=N for steps)")
+    if warmup >= 1:
+        warnings.warn(
+            f"warmup={warmup!r} as a number of steps is deprecated: pass warmup_steps={int(warmup)} "
+            "(warmup is the fraction of the steps, below 1).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return warmup
 
 
 def _check_model(model) -> None:

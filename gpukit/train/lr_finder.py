@@ -73,7 +73,7 @@ def lr_find(
     model: nn.Module,
     data,
     *,
-    optimizer: str | torch.optim.Optimizer | Callable = "sgd",
+    optimizer: str | torch.optim.Optimizer | Callable = "nesterov",
     start_lr: float = 1e-5,
     end_lr: float = 10.0,
     steps: int = 100,

@@ -127,7 +127,9 @@ def fit(
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
-    model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
+    model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
     forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel

@@ -40,7 +40,7 @@ CUDA_REGIONS = [
     ("memory/measuring.py", "measure", ("if", "device.type == 'cuda'"), "allocator statistics"),
     ("memory/measuring.py", "breakdown", ("if", "cuda"), "allocator statistics (three blocks)"),
     ("memory/plan.py", "_free_for_training", None, "free memory of the GPU"),
-    ("memory/plan.py", "max_batch_size", ("after", "if not on_gpu:"), "the budget read from the GPU"),
+    ("memory/plan.py", "_check_budget", ("after", "if not on_gpu:"), "the budget read from the GPU"),
     ("memory/plan.py", "max_batch_size", ("if", "on_gpu and probe"), "real steps on the GPU"),
     ("memory/plan.py", "_probe", None, "called only on a GPU"),
     ("env.py", "synchronize", ("if", "device.type == 'cuda'"), "CUDA synchronisation"),

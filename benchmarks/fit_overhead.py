@@ -20,6 +20,7 @@ what a user pays, not only the inner loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import platform
 import statistics
@@ -30,6 +31,18 @@ import torch
 import gpukit as gk
 from gpukit.bench import synchronize
 from gpukit.report import save_tables
+
+
+@contextlib.contextmanager
+def deterministic_kernels():
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn, not fail, where an op has no such kernel
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
 
 
 def hand_written_loop(
@@ -49,6 +62,10 @@ def hand_written_loop(
         div_factor=25.0,
         final_div_factor=1e4,
     )
+    # fp32 means fp32, as in gk.fit: PyTorch lets cuDNN run fp32 convolutions in TF32 unless told otherwise
+    # (on an H100 that made the two loops end 5e-2 apart).
+    torch.backends.cudnn.allow_tf32 = dtype is not None
+    torch.set_float32_matmul_precision("highest")
     model.train()
     loader.set_epoch(0)
     for step, (inputs, target) in enumerate(loader):
@@ -96,10 +113,12 @@ def measure(kind: str, precision: str, args, device: torch.device) -> dict:
     dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
     loader, initial, lr = setup(kind, args, device)
 
-    # Same work: both loops must end with the same parameters.
+    # Same work: both loops must end with the same parameters. Deterministic kernels for this check only:
+    # cuDNN's weight-gradient kernels add in a varying order on a GPU, and 40 steps grow that into 1e-2.
     a, b = copy.deepcopy(initial), copy.deepcopy(initial)
-    hand_written_loop(a, loader, args.steps, lr, dtype, device, kind)
-    gpukit_loop(b, loader, args.steps, lr, precision, device, False, kind)
+    with deterministic_kernels():
+        hand_written_loop(a, loader, args.steps, lr, dtype, device, kind)
+        gpukit_loop(b, loader, args.steps, lr, precision, device, False, kind)
     worst = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
     tolerance = 1e-4 if dtype is None else 5e-2
     if worst > tolerance:

@@ -7,8 +7,10 @@ end with identical parameters, so they did the same work. Then it runs them inte
 reports the ratio of median step times and the overhead in µs per step. Two models:
 
 - cnn: the fast CNN on shapes (DeviceLoader), SGD with Nesterov momentum;
-- gpt: the small GPT on byte tokens of the standard library (TextLoader), AdamW; also its
-  tokens/s and MFU against this device's peak (CUDA: the datasheet; CPU: a measured fp32 matmul).
+- gpt: the small GPT on byte tokens of the standard library (TextLoader), AdamW.
+
+For both: images or tokens per second and MFU against this device's peak (CUDA: the datasheet;
+CPU: a measured fp32 matmul), and each mixed precision's speed-up over fp32.
 
     python benchmarks/fit_overhead.py                       # fp32 and bf16-mixed, both models
     python benchmarks/fit_overhead.py --device cuda --width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6
@@ -157,18 +159,12 @@ def measure(kind: str, precision: str, args, device: torch.device) -> dict:
                 "samples_per_s": samples / median,
             }
         )
-    result = {"rows": rows, "max_parameter_difference": worst}
-    if kind == "gpt":
-        batch = next(iter(loader))
-        flops = gk.bench.flops_per_step(initial, batch)
-        tokens = batch[1].numel()
-        fit_step = statistics.median(step_times["gpukit.fit"])
-        result["gpt"] = {
-            "tokens_per_s": tokens / fit_step,
-            "flops_per_token": flops / tokens,
-            "achieved_tflops": flops / fit_step / 1e12,
-        }
-    return result
+    batch = next(iter(loader))
+    flops = gk.bench.flops_per_step(initial, batch)  # counted once, on the real model and batch
+    items = batch[1].numel()  # images for the CNN, tokens for the GPT
+    fit_step = statistics.median(step_times["gpukit.fit"])
+    throughput = {"items_per_s": items / fit_step, "flops_per_item": flops / items, "tflops": flops / fit_step / 1e12}
+    return {"rows": rows, "max_parameter_difference": worst, "throughput": throughput, "fit_step": fit_step}
 
 
 def device_peak(device: torch.device, precision: str) -> tuple[float | None, str]:
@@ -199,7 +195,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     args = parser.parse_args()
     device = gk.resolve_device(args.device)
-    rows, gpt_rows = [], []
+    rows, mfu_rows, fit_steps = [], [], {}
     for kind in args.models.split(","):
         for precision in args.precisions.split(","):
             result = measure(kind, precision, args, device)
@@ -207,29 +203,39 @@ def main() -> None:
                 f"{kind}, {precision}: loops agree (max parameter difference {result['max_parameter_difference']:.1e})"
             )
             rows += result["rows"]
-            if "gpt" in result:
-                peak, source = device_peak(device, precision)
-                gpt = result["gpt"]
-                gpt_rows.append(
-                    {
-                        "precision": precision,
-                        "tokens_per_s": gpt["tokens_per_s"],
-                        "flops_per_token": gpt["flops_per_token"],
-                        "achieved_tflops": gpt["achieved_tflops"],
-                        "peak_tflops": peak,
-                        "peak": source,
-                        "mfu": gpt["achieved_tflops"] / peak if peak else None,
-                    }
-                )
+            fit_steps[kind, precision] = result["fit_step"]
+            peak, source = device_peak(device, precision)
+            counted = result["throughput"]
+            mfu_rows.append(
+                {
+                    "model": kind,
+                    "precision": precision,
+                    "unit": "image" if kind == "cnn" else "token",
+                    "per_s": counted["items_per_s"],
+                    "achieved_tflops": counted["tflops"],
+                    "peak_tflops": peak,
+                    "peak": source,
+                    "mfu": counted["tflops"] / peak if peak else None,
+                }
+            )
+    # The mixed-precision speed-up: fit's median step in fp32 over the same in each other precision.
+    speedups = [
+        {"model": kind, "precision": precision, "speed_up_over_fp32": fit_steps[kind, "fp32"] / step}
+        for (kind, precision), step in fit_steps.items()
+        if precision != "fp32" and (kind, "fp32") in fit_steps
+    ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(
         f"\nCNN width {args.width}, batch {args.batch_size}; GPT width {args.gpt_width}, depth {args.gpt_depth}, "
         f"batch {args.gpt_batch_size} × {args.seq_len} tokens; {args.steps} steps per call, {args.rounds} rounds; "
         f"{device} ({name}), {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    tables = [gk.Table(rows, title="gpukit.fit against a hand-written loop")]
-    if gpt_rows:
-        tables.append(gk.Table(gpt_rows, title="GPT: tokens/s and MFU of gpukit.fit"))
+    tables = [
+        gk.Table(rows, title="gpukit.fit against a hand-written loop"),
+        gk.Table(mfu_rows, title="throughput and MFU of gpukit.fit (FLOPs counted on the model, peak as stated)"),
+    ]
+    if speedups:
+        tables.append(gk.Table(speedups, title="mixed precision: fit's fp32 step time ÷ its step time"))
     print(*tables, sep="\n\n")
     if args.json:
         save_tables(args.json, tables, device=name, steps=args.steps, rounds=args.rounds)

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 import gpukit as gk
-from gpukit.data.formats import encode
 from gpukit.data.pagecache import can_evict
 from gpukit.report import save_tables
 
@@ -69,8 +68,7 @@ def formats_table(images: int, rounds: int, batch_size: int, folder: Path) -> gk
 
 def decode_table(count: int, size: int, batch_size: int, workers: int, gpu: bool | None) -> gk.Table:
     dataset, _ = gk.data.shapes(count, 8, seed=1)
-    large = torch.nn.functional.interpolate(dataset.images.float(), size=size, mode="bilinear")
-    jpegs = [encode(image, "jpeg", 90) for image in large.round().clamp(0, 255).to(torch.uint8)]
+    jpegs = gk.data.decoding.photo_jpegs(dataset.images, size)  # grain: they cost what photographs cost to decode
     print(f"{count} JPEGs of {size}×{size}, {sum(map(len, jpegs)) / count / 1e3:.1f} kB each")
     return gk.data.decode_table(
         jpegs, size=size * 3 // 4, batch_size=batch_size, num_workers=workers, repeats=3, gpu=gpu

@@ -46,7 +46,11 @@ BENCHMARK_SECONDS = 180  # one benchmark
 MIN_SECONDS = 30  # a lesson or benchmark with less time left than this is not started
 STOP_GRACE_SECONDS = 10  # after SIGINT, before SIGKILL: pytest's teardown shuts its Jupyter kernel down
 # Sizes the benchmarks' own docstrings give for a GPU, where their defaults are the CPU's.
-BENCHMARK_ARGS = {"fit_overhead.py": "--width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6 --rounds 5".split()}
+# input_pipeline: photograph-sized JPEGs, where nvJPEG's fixed cost per call is small (see gk.data.decoding).
+BENCHMARK_ARGS = {
+    "fit_overhead.py": "--width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6 --rounds 5".split(),
+    "input_pipeline.py": "--decode-images 1024 --decode-size 512 --workers 8".split(),
+}
 STEPS = ("tests", "lessons", "benchmarks")
 EXIT_FAILED = 1  # a step failed or timed out
 EXIT_NO_GPU = 3  # nothing was run

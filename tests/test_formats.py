@@ -151,7 +151,10 @@ def test_decode_paths_agree_and_the_table_skips_gpu_rows_honestly(dataset):
         assert all(row["images_per_second"] is None and row["note"] == "skipped: no GPU" for row in cuda_rows)
         with pytest.raises(RuntimeError, match="no CUDA GPU is available here; decode on the CPU"):
             gk.data.decode_batch(encoded, "cuda")
-    assert all(row["images_per_second"] > 0 for row in table.rows if row["device"] == "cpu")
+    cpu_rows = [row for row in table.rows if row["device"] == "cpu"]
+    every_core = [row for row in cpu_rows if "every core" in row["path"]]  # worker processes: none at num_workers=0
+    assert [row["note"] for row in every_core] == ["skipped: num_workers=0 (no worker processes)"]
+    assert all(row["images_per_second"] > 0 for row in cpu_rows if row not in every_core)
     cpu_only = gk.data.decode_table(encoded, size=24, batch_size=4, num_workers=0, repeats=1, gpu=False)
     assert [row["note"] for row in cpu_only.rows if row["device"] == "cuda"] == ["skipped: gpu=False"] * 2
 

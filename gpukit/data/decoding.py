@@ -4,6 +4,8 @@
 
     PIL                         one image at a time, Image.open + convert("RGB")
     decode_jpeg, CPU, batched   torchvision.io.decode_jpeg(list of tensors) (libjpeg-turbo)
+    decode_jpeg, every core     one image per call in os.cpu_count() DataLoader workers: all the CPU can
+                                do, the fair match for nvJPEG (skipped when num_workers=0)
     decode_jpeg, CUDA, batched  the same with device="cuda" (nvJPEG): a row that says
                                 "skipped: no GPU" where there is none, never a made-up figure
     v2 in DataLoader workers    decode + RandomResizedCrop + flip + ColorJitter per image, in workers
@@ -118,6 +120,19 @@ class EncodedImages(Dataset):
         return self.transform(image), self.labels[index]
 
 
+class _DecodeOnly(Dataset):
+    """JPEG bytes decoded per image, nothing else: the CPU's share of what nvJPEG does for a batch."""
+
+    def __init__(self, encoded: Sequence[bytes]):
+        self.encoded = list(encoded)
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return decode_batch([self.encoded[index]])[0]
+
+
 def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
     """Resize, then crop, flip and jitter a whole batch at once. transforms.v2 on a batched tensor draws
     one set of random parameters for the whole batch (per-image crops and flips on a batch:
@@ -152,8 +167,8 @@ class _PerImageInWorkers:
     """Passes over a DataLoader that decodes and augments per image in `workers` processes; `warm_up()`
     starts the workers just before this row is timed, so that their start-up is not in its rate."""
 
-    def __init__(self, encoded, size: int, batch_size: int, workers: int):
-        self.dataset, self.batch_size, self.workers = EncodedImages(encoded, size), batch_size, workers
+    def __init__(self, dataset: Dataset, batch_size: int, workers: int):
+        self.dataset, self.batch_size, self.workers = dataset, batch_size, workers
         self.loader = None
 
     def warm_up(self) -> None:
@@ -188,14 +203,17 @@ def decode_table(
     cuda = torch.cuda.is_available() if gpu is None else gpu
     device = torch.device("cuda") if cuda else None
     chunks = [encoded[start : start + batch_size] for start in range(0, len(encoded), batch_size)]
-    threads, workers = torch.get_num_threads(), min(num_workers, os.cpu_count() or 1)
+    threads, workers, cores = torch.get_num_threads(), min(num_workers, os.cpu_count() or 1), os.cpu_count() or 1
     augment = "decode batched + transforms.v2 on the batch"
     cases = [  # (path, device, CPU cores used, one pass over the images)
         ("PIL, one image at a time", "cpu", "1 process, 1 thread", lambda: [decode_pil(data) for data in encoded]),
         ("decode_jpeg, batched", "cpu", "1 process, 1 thread", lambda: [decode_batch(chunk) for chunk in chunks]),
+        (f"decode_jpeg per image, {cores} DataLoader workers (every core)", "cpu",
+         f"{cores} worker processes, 1 thread each", _PerImageInWorkers(_DecodeOnly(encoded), batch_size, cores)),
         ("decode_jpeg, batched", "cuda", "1 process", lambda: _each(chunks, lambda c: decode_batch(c, device), device)),
         (f"decode + transforms.v2 per image, {workers} DataLoader workers", "cpu",
-         f"{workers} worker processes, 1 thread each", _PerImageInWorkers(encoded, size, batch_size, workers)),
+         f"{workers} worker processes, 1 thread each",
+         _PerImageInWorkers(EncodedImages(encoded, size), batch_size, workers)),
         (augment, "cpu", "1 process, 1 thread" if threads == 1 else f"1 process, up to {threads} threads",
          lambda: [_augment_batch(decode_batch(chunk), size) for chunk in chunks]),
         (augment, "cuda", "1 process", lambda: _each(chunks, lambda c: _augment_batch(decode_batch(c, device), size),
@@ -209,6 +227,8 @@ def decode_table(
         row = {"path": path, "device": where, "cpu_cores_used": cores if where == "cpu" or cuda else "-"}
         if where == "cuda" and not cuda:
             rows.append(row | {"images_per_second": None, "note": skipped})
+        elif num_workers == 0 and isinstance(run, _PerImageInWorkers) and run.workers > 0:
+            rows.append(row | {"images_per_second": None, "note": "skipped: num_workers=0 (no worker processes)"})
         else:
             getattr(run, "warm_up", lambda: None)()
             rows.append(row | {"images_per_second": _best_rate(run, len(encoded), repeats)})

@@ -121,9 +121,61 @@ def test_expandable_segments_switches_the_allocator_setting_and_restores_it(fake
     torch.cuda.init()  # as after some work on the GPU: there is a cache to empty
     before = allocator._expandable_now()
     with memory.expandable_segments(not before):
-        assert allocator._expandable_now() is (not before)
-    assert allocator._expandable_now() is before
+        assert allocator._expandable_now() is (not before) and fake_cuda.expandable_segments is (not before)
+    assert allocator._expandable_now() is before and fake_cuda.expandable_segments is before
     assert len(fake_cuda.called("_cuda_emptyCache")) == 2  # cached memory released on entry and on exit
+
+
+# torch 2.14 reads the settings back (_accelerator_getAllocatorSettings); torch 2.11 has only the setter.
+with_and_without_getter = pytest.mark.parametrize("getter", [True, False], ids=["torch 2.14", "torch 2.11"])
+
+
+def _allocator_as_started_with(monkeypatch, variable: str | None, settings: str, getter: bool) -> FakeCuda:
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, settings)
+    fake = FakeCuda([H100]).install(monkeypatch)  # reads the variables as torch does at start-up
+    if not getter:
+        monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")
+    return fake
+
+
+@with_and_without_getter
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_expandable_segments_reads_the_setting_and_keeps_the_other_options(monkeypatch, getter, variable):
+    fake = _allocator_as_started_with(monkeypatch, variable, "max_split_size_mb:256,expandable_segments:True", getter)
+    assert allocator._expandable_now() is True  # from the variable (2.11) or read back (2.14)
+    with memory.expandable_segments(False):
+        assert allocator._expandable_now() is False and fake.expandable_segments is False
+        # torch resets the options a setting does not name: the user's max_split_size_mb must be applied again
+        assert fake.allocator_settings == "max_split_size_mb:256,expandable_segments:False"
+    assert allocator._expandable_now() is True and fake.expandable_segments is True
+    assert fake.allocator_settings == "max_split_size_mb:256,expandable_segments:True"
+    assert len(fake.called("_accelerator_setAllocatorSettings")) == 2
+    assert bool(fake.called("_accelerator_getAllocatorSettings")) is getter  # 2.11: never asked for what it lacks
+
+
+@with_and_without_getter
+def test_expandable_segments_off_by_default_and_nested(monkeypatch, getter):
+    fake = _allocator_as_started_with(monkeypatch, None, "", getter)
+    assert allocator.allocator_settings() == "" and allocator._expandable_now() is False
+    with memory.expandable_segments():
+        with memory.expandable_segments(False):
+            assert fake.expandable_segments is False and allocator._expandable_now() is False
+        assert fake.expandable_segments is True and allocator._expandable_now() is True
+    assert fake.expandable_segments is False and allocator._expandable_now() is False
+    assert fake.called("_accelerator_setAllocatorSettings")[-1] == ("expandable_segments:False",)
+
+
+def test_expandable_segments_keeps_a_list_option_whole(monkeypatch):
+    settings = "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False,garbage_collection_threshold:0.6"
+    fake = _allocator_as_started_with(monkeypatch, "PYTORCH_ALLOC_CONF", settings, getter=False)
+    with memory.expandable_segments():
+        assert fake.allocator_settings == (
+            "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6,expandable_segments:True"
+        )
+    assert fake.expandable_segments is False
 
 
 def test_record_snapshot_records_the_block_with_python_stacks(fake_cuda, tmp_path):

@@ -42,8 +42,8 @@ gpukit is GPU-only when no CPU machine reaches it, i.e. the body of a branch tak
 function only such code calls; statements that need an NVIDIA driver (NVML) are counted apart. The regions are
 listed there by function and source text (with the reason for each) and checked against coverage's statement list;
 none of them runs in the CPU tests without this fixture (checked on test_memory, test_bench, test_env, test_data,
-test_diagnose; only test_precision's own capability fake reaches 9). On this layer the tests execute 170 of 181
-CUDA-only statements (94%) and 72 of 84 NVML-only ones (86%): 242 of 265 (91%). Not reached: fit's two CUDA lines
+test_diagnose; only test_precision's own capability fake reaches 9). On this layer the tests execute 214 of 225
+CUDA-only statements (95%) and 71 of 82 NVML-only ones (87%): 285 of 307 (93%). Not reached: fit's two CUDA lines
 and trace_steps's synchronisation (they follow a tensor made on the device), worker processes on the GPU (setup with
 nccl, data_parallel's SyncBatchNorm, compare_parallelism, measure_contention), a torch built without NCCL, and
 NVML's fallbacks for old drivers (throttle-reason name, no energy counter, failed queries).

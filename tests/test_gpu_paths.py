@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torchvision
+from torch import nn
 from torchvision.io import ImageReadMode
 
 import gpukit as gk
@@ -32,6 +33,7 @@ from gpukit.memory import plan as plan_module
 from gpukit.precision import get_precision, has_fast_kernels
 from gpukit.runfile import device_name, run_environment
 from gpukit.train import data as train_data
+from tests import fake_cuda as fake_cuda_module
 from tests.fake_cuda import CONTEXT_BYTES, H100, T4, FakeCuda, GiB, MiB
 
 CUDA = torch.device("cuda")  # what gk.fit and the tools get from device="cuda": no index
@@ -254,6 +256,65 @@ def test_breakdown_on_cuda_reads_the_allocator_peak(fake_cuda):
     assert result.total == batch_bytes and result.allocator_cache == 2 * MiB - batch_bytes
     assert fake_cuda.called("_cuda_resetPeakMemoryStats") == [(0,)]
     assert result.params == result.grads > 0  # counted from the tensors themselves, as on any device
+
+
+@torch.library.custom_op("gpukit_tests::scratch_on_the_fake_gpu", mutates_args=())
+def _scratch(inputs: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """One operator that takes `nbytes` of the fake GPU and frees them before it returns, as cuDNN's workspace."""
+    fake = fake_cuda_module._fake()
+    fake.free(fake.allocate(nbytes))
+    return inputs.clone()
+
+
+_scratch.register_fake(lambda inputs, nbytes: torch.empty_like(inputs))
+_scratch.register_autograd(lambda context, grad: (grad, None))
+
+
+class _Scratch(nn.Module):
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes = nbytes
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return _scratch(images, self.nbytes)
+
+
+def _scratch_model(nbytes: int) -> nn.Module:
+    torch.manual_seed(0)
+    hidden = nn.Linear(3 * 8 * 8, 32)  # an in-place ReLU after it, as in torchvision's ResNets
+    return nn.Sequential(nn.Flatten(), hidden, nn.ReLU(inplace=True), _Scratch(nbytes), nn.Linear(32, 10))
+
+
+def test_breakdown_on_cuda_reports_what_an_operator_held_inside_as_workspace(fake_cuda):
+    result = memory.breakdown(_scratch_model(3 * MiB + 100), _images(16), device="cuda")
+    batch_bytes = 16 * 3 * 8 * 8 * 4 + 512
+    assert max(result.allocated_timeline) == batch_bytes  # after every operator: the batch alone
+    assert result.workspace == 3 * MiB + 512 and result.total == batch_bytes + result.workspace  # 512-byte blocks
+    parts = result.parts()
+    assert parts["workspace (inside operators)"] == result.workspace and "allocator cache" in parts
+    assert sum(value for name, value in parts.items() if name != "allocator cache") == result.total
+
+
+def test_layer_workspaces_measures_each_layer_alone(fake_cuda):
+    workspaces = memory.layer_workspaces(_scratch_model(5 * MiB), _images(4)[0], device="cuda")
+    assert workspaces == {"0": 0, "1": 0, "2": 0, "3": 5 * MiB, "4": 0}  # in the order the layers ran
+    assert fake_cuda.called("_cuda_resetPeakMemoryStats")  # restarted before every operator
+
+
+@pytest.mark.parametrize(
+    ("build", "precision"),
+    [
+        (lambda: gk.models.fast_cnn(4), "fp32"),
+        (lambda: gk.models.resnet18().to(memory_format=torch.channels_last), "bf16-mixed"),
+    ],
+    ids=["fast_cnn fp32", "resnet18 channels_last bf16-mixed"],
+)
+def test_layer_workspaces_runs_every_layer_of_the_kit_models(fake_cuda, build, precision):
+    # BatchNorm, pooling, residual blocks that call one in-place ReLU twice, channels_last inputs, autocast.
+    model = build()
+    workspaces = memory.layer_workspaces(model, _images(2)[0].repeat(1, 1, 4, 4), precision=precision)
+    assert set(workspaces) == {name for name, module in model.named_modules() if next(module.children(), None) is None}
+    assert set(workspaces.values()) == {0}  # nothing is held inside operators on the fake (they run on the host)
 
 
 def _predict_on_the_host(monkeypatch) -> None:

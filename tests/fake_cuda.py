@@ -10,7 +10,8 @@ Only the layer under torch.cuda's Python functions is replaced (see `FakeCuda.in
   module `torch.cuda._cudart` (`cudaMemGetInfo`), wherever a module of torch imported them by name;
 - the C bindings `torch._C._cuda_*` that torch.cuda and torch.cuda.memory call: device count and selection,
   synchronisation, allocator statistics, memory fraction, memory history and snapshots, the out-of-memory
-  observer, and the current stream;
+  observer, and the current stream; and the allocator settings (`torch._C._accelerator_setAllocatorSettings`,
+  and its getter, which torch 2.11 lacks: delete it to run as there);
 - `torch.cuda.Stream` and `torch.cuda.Event`: CPU objects that record what is done with them; an event's time is
   the host clock when it was recorded, and `elapsed_time` raises until a synchronisation completed it, as on a GPU;
 - `Tensor.to("cuda")`: a CPU copy that says it is on cuda:N (`FakeCudaTensor`: `is_cuda`, `device`,
@@ -41,8 +42,8 @@ gpukit is GPU-only when no CPU machine reaches it, i.e. the body of a branch tak
 function only such code calls; statements that need an NVIDIA driver (NVML) are counted apart. The regions are
 listed there by function and source text (with the reason for each) and checked against coverage's statement list;
 none of them runs in the CPU tests without this fixture (checked on test_memory, test_bench, test_env, test_data,
-test_diagnose; only test_precision's own capability fake reaches 9). On this layer the tests execute 170 of 181
-CUDA-only statements (94%) and 72 of 84 NVML-only ones (86%): 242 of 265 (91%). Not reached: fit's two CUDA lines
+test_diagnose; only test_precision's own capability fake reaches 9). On this layer the tests execute 214 of 225
+CUDA-only statements (95%) and 71 of 82 NVML-only ones (87%): 285 of 307 (93%). Not reached: fit's two CUDA lines
 and trace_steps's synchronisation (they follow a tensor made on the device), worker processes on the GPU (setup with
 nccl, data_parallel's SyncBatchNorm, compare_parallelism, measure_contention), a torch built without NCCL, and
 NVML's fallbacks for old drivers (throttle-reason name, no energy counter, failed queries).
@@ -51,6 +52,7 @@ NVML's fallbacks for old drivers (throttle-reason name, no energy counter, faile
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import traceback
@@ -146,6 +148,10 @@ class FakeCuda:
         self.copies: list[dict] = []  # one per Tensor.to("cuda")
         self.nvml_initialized = 0  # nvmlInit calls not yet matched by nvmlShutdown
         self._next_address = 0x7F0000000000
+        # The allocator settings torch applied last: at start-up the first of these variables that is set.
+        variables = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+        self.allocator_settings = next((os.environ[name] for name in variables if name in os.environ), "")
+        self.expandable_segments = self._parse_allocator_settings(self.allocator_settings, False)
 
     def called(self, name: str) -> list[tuple]:
         """The arguments of every call to `name` (e.g. "_cuda_setMemoryFraction"), in order."""
@@ -249,6 +255,37 @@ class FakeCuda:
         if not 0 <= fraction <= 1:
             raise RuntimeError(f"invalid fraction:{fraction}. Please set within (0, 1).")  # sic: 0 and 1 are allowed
         allocator.fraction = float(fraction)
+
+    def set_allocator_settings(self, settings) -> None:
+        """torch._C._accelerator_setAllocatorSettings: parse "key:value,..." as torch does; an option not named
+        keeps its value (expandable_segments here), and the string is what the getter returns afterwards."""
+        if not isinstance(settings, str):
+            raise TypeError(
+                f"_accelerator_setAllocatorSettings(): argument 'env' must be str, not {type(settings).__name__}"
+            )
+        self.expandable_segments = self._parse_allocator_settings(settings, self.expandable_segments)
+        self.allocator_settings = settings
+
+    @staticmethod
+    def _parse_allocator_settings(settings: str, expandable: bool) -> bool:
+        """The expandable-segments value after `settings`; refuses what torch 2.14's parser refuses."""
+        known = {
+            "backend", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+            "roundup_power2_divisions", "expandable_segments", "release_lock_on_cudamalloc",
+            "pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
+            "large_segment_size_mb",
+        }  # fmt: skip
+        for option in re.sub(r"\[[^\]]*\]", "", settings).split(","):  # no commas inside [...] lists
+            if not option.strip():
+                continue
+            key, _, value = (part.strip() for part in option.partition(":"))
+            if key not in known:
+                raise ValueError(f"Unrecognized key '{key}' in Accelerator allocator config.")
+            if key == "expandable_segments":
+                if value not in ("True", "False"):
+                    raise ValueError(f"Expected 'True' or 'False' at index 2 in ConfigTokenizer but got '{value}'")
+                expandable = value == "True"
+        return expandable
 
     def get_fraction(self, index: int) -> float:
         return self._allocator(index, "_cuda_getMemoryFraction").fraction
@@ -452,6 +489,9 @@ class FakeCuda:
             "_cuda_getCublasWorkspaceSize": lambda: 4096 * 1024 * 2 + 16 * 1024 * 8,
             "_cuda_getCublasLtWorkspaceSize": lambda: 1024 * 1024,
             "_cuda_setStream": self.set_stream,
+            # torch 2.14 has both; torch 2.11 only the setter (a test deletes the getter to run as on 2.11)
+            "_accelerator_setAllocatorSettings": self.set_allocator_settings,
+            "_accelerator_getAllocatorSettings": lambda: self.allocator_settings,
         }
         for name, function in bindings.items():
             monkeypatch.setattr(torch._C, name, self._recorded(name, function), raising=False)
@@ -464,6 +504,7 @@ class FakeCuda:
         monkeypatch.setattr(gpukit.env, "_surveys", {})  # detect() asks the fake NVML
         monkeypatch.setattr(allocator, "_watching", False)  # the observer attached to the fake goes with it
         monkeypatch.setattr(allocator, "_refused", {})
+        monkeypatch.setattr(allocator, "_applied", None)  # the allocator settings it applied (torch 2.11 reads these)
 
 
 # ---------------------------------------------------------------------------------------------

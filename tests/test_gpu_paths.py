@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torchvision
+from torch import nn
 from torchvision.io import ImageReadMode
 
 import gpukit as gk
@@ -32,6 +33,7 @@ from gpukit.memory import plan as plan_module
 from gpukit.precision import get_precision, has_fast_kernels
 from gpukit.runfile import device_name, run_environment
 from gpukit.train import data as train_data
+from tests import fake_cuda as fake_cuda_module
 from tests.fake_cuda import CONTEXT_BYTES, H100, T4, FakeCuda, GiB, MiB
 
 CUDA = torch.device("cuda")  # what gk.fit and the tools get from device="cuda": no index
@@ -121,9 +123,61 @@ def test_expandable_segments_switches_the_allocator_setting_and_restores_it(fake
     torch.cuda.init()  # as after some work on the GPU: there is a cache to empty
     before = allocator._expandable_now()
     with memory.expandable_segments(not before):
-        assert allocator._expandable_now() is (not before)
-    assert allocator._expandable_now() is before
+        assert allocator._expandable_now() is (not before) and fake_cuda.expandable_segments is (not before)
+    assert allocator._expandable_now() is before and fake_cuda.expandable_segments is before
     assert len(fake_cuda.called("_cuda_emptyCache")) == 2  # cached memory released on entry and on exit
+
+
+# torch 2.14 reads the settings back (_accelerator_getAllocatorSettings); torch 2.11 has only the setter.
+with_and_without_getter = pytest.mark.parametrize("getter", [True, False], ids=["torch 2.14", "torch 2.11"])
+
+
+def _allocator_as_started_with(monkeypatch, variable: str | None, settings: str, getter: bool) -> FakeCuda:
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, settings)
+    fake = FakeCuda([H100]).install(monkeypatch)  # reads the variables as torch does at start-up
+    if not getter:
+        monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")
+    return fake
+
+
+@with_and_without_getter
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_expandable_segments_reads_the_setting_and_keeps_the_other_options(monkeypatch, getter, variable):
+    fake = _allocator_as_started_with(monkeypatch, variable, "max_split_size_mb:256,expandable_segments:True", getter)
+    assert allocator._expandable_now() is True  # from the variable (2.11) or read back (2.14)
+    with memory.expandable_segments(False):
+        assert allocator._expandable_now() is False and fake.expandable_segments is False
+        # torch resets the options a setting does not name: the user's max_split_size_mb must be applied again
+        assert fake.allocator_settings == "max_split_size_mb:256,expandable_segments:False"
+    assert allocator._expandable_now() is True and fake.expandable_segments is True
+    assert fake.allocator_settings == "max_split_size_mb:256,expandable_segments:True"
+    assert len(fake.called("_accelerator_setAllocatorSettings")) == 2
+    assert bool(fake.called("_accelerator_getAllocatorSettings")) is getter  # 2.11: never asked for what it lacks
+
+
+@with_and_without_getter
+def test_expandable_segments_off_by_default_and_nested(monkeypatch, getter):
+    fake = _allocator_as_started_with(monkeypatch, None, "", getter)
+    assert allocator.allocator_settings() == "" and allocator._expandable_now() is False
+    with memory.expandable_segments():
+        with memory.expandable_segments(False):
+            assert fake.expandable_segments is False and allocator._expandable_now() is False
+        assert fake.expandable_segments is True and allocator._expandable_now() is True
+    assert fake.expandable_segments is False and allocator._expandable_now() is False
+    assert fake.called("_accelerator_setAllocatorSettings")[-1] == ("expandable_segments:False",)
+
+
+def test_expandable_segments_keeps_a_list_option_whole(monkeypatch):
+    settings = "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False,garbage_collection_threshold:0.6"
+    fake = _allocator_as_started_with(monkeypatch, "PYTORCH_ALLOC_CONF", settings, getter=False)
+    with memory.expandable_segments():
+        assert fake.allocator_settings == (
+            "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6,expandable_segments:True"
+        )
+    assert fake.expandable_segments is False
 
 
 def test_record_snapshot_records_the_block_with_python_stacks(fake_cuda, tmp_path):
@@ -202,6 +256,65 @@ def test_breakdown_on_cuda_reads_the_allocator_peak(fake_cuda):
     assert result.total == batch_bytes and result.allocator_cache == 2 * MiB - batch_bytes
     assert fake_cuda.called("_cuda_resetPeakMemoryStats") == [(0,)]
     assert result.params == result.grads > 0  # counted from the tensors themselves, as on any device
+
+
+@torch.library.custom_op("gpukit_tests::scratch_on_the_fake_gpu", mutates_args=())
+def _scratch(inputs: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """One operator that takes `nbytes` of the fake GPU and frees them before it returns, as cuDNN's workspace."""
+    fake = fake_cuda_module._fake()
+    fake.free(fake.allocate(nbytes))
+    return inputs.clone()
+
+
+_scratch.register_fake(lambda inputs, nbytes: torch.empty_like(inputs))
+_scratch.register_autograd(lambda context, grad: (grad, None))
+
+
+class _Scratch(nn.Module):
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes = nbytes
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return _scratch(images, self.nbytes)
+
+
+def _scratch_model(nbytes: int) -> nn.Module:
+    torch.manual_seed(0)
+    hidden = nn.Linear(3 * 8 * 8, 32)  # an in-place ReLU after it, as in torchvision's ResNets
+    return nn.Sequential(nn.Flatten(), hidden, nn.ReLU(inplace=True), _Scratch(nbytes), nn.Linear(32, 10))
+
+
+def test_breakdown_on_cuda_reports_what_an_operator_held_inside_as_workspace(fake_cuda):
+    result = memory.breakdown(_scratch_model(3 * MiB + 100), _images(16), device="cuda")
+    batch_bytes = 16 * 3 * 8 * 8 * 4 + 512
+    assert max(result.allocated_timeline) == batch_bytes  # after every operator: the batch alone
+    assert result.workspace == 3 * MiB + 512 and result.total == batch_bytes + result.workspace  # 512-byte blocks
+    parts = result.parts()
+    assert parts["workspace (inside operators)"] == result.workspace and "allocator cache" in parts
+    assert sum(value for name, value in parts.items() if name != "allocator cache") == result.total
+
+
+def test_layer_workspaces_measures_each_layer_alone(fake_cuda):
+    workspaces = memory.layer_workspaces(_scratch_model(5 * MiB), _images(4)[0], device="cuda")
+    assert workspaces == {"0": 0, "1": 0, "2": 0, "3": 5 * MiB, "4": 0}  # in the order the layers ran
+    assert fake_cuda.called("_cuda_resetPeakMemoryStats")  # restarted before every operator
+
+
+@pytest.mark.parametrize(
+    ("build", "precision"),
+    [
+        (lambda: gk.models.fast_cnn(4), "fp32"),
+        (lambda: gk.models.resnet18().to(memory_format=torch.channels_last), "bf16-mixed"),
+    ],
+    ids=["fast_cnn fp32", "resnet18 channels_last bf16-mixed"],
+)
+def test_layer_workspaces_runs_every_layer_of_the_kit_models(fake_cuda, build, precision):
+    # BatchNorm, pooling, residual blocks that call one in-place ReLU twice, channels_last inputs, autocast.
+    model = build()
+    workspaces = memory.layer_workspaces(model, _images(2)[0].repeat(1, 1, 4, 4), precision=precision)
+    assert set(workspaces) == {name for name, module in model.named_modules() if next(module.children(), None) is None}
+    assert set(workspaces.values()) == {0}  # nothing is held inside operators on the fake (they run on the host)
 
 
 def _predict_on_the_host(monkeypatch) -> None:

@@ -473,13 +473,31 @@ def test_cuda_tools_say_what_to_do_without_a_gpu():
                 pass
 
 
+def test_layer_workspaces_need_the_cuda_allocator():
+    with pytest.raises(ValueError, match="CUDA caching allocator.*tracks tensors only"):
+        memory.layer_workspaces(gk.models.fast_cnn(8), images(4), device="cpu")
+
+
+def test_on_a_cpu_no_workspace_is_measured_and_the_parts_make_the_peak():
+    parts = memory.breakdown(gk.models.fast_cnn(8), images(8), device="cpu")
+    assert parts.workspace is None and "workspace (inside operators)" not in parts.parts()
+    assert sum(parts.parts().values()) == parts.total
+
+
 @cuda
-def test_breakdown_on_cuda_and_the_prediction_within_ten_percent():
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_on_cuda_the_prediction_is_the_tensors_and_the_workspace_comes_from_the_layers(precision):
+    """The H100 run (torch 2.11) found the fp32 peak 18-64% above the prediction for convolution nets: cuDNN's
+    workspaces inside operators. The prediction must match the tensors; the workspace one layer's operators."""
     model = gk.models.resnet18()
-    measured = memory.breakdown(model, images(128), device="cuda")
-    predicted = memory.estimate(model, images(128), device="cuda")
+    measured = memory.breakdown(model, images(128), precision=precision, device="cuda")
+    predicted = memory.estimate(model, images(128), precision=precision, device="cuda")
     assert measured.allocator_cache >= 0 and measured.activations == predicted.activations
-    assert abs(predicted.total - measured.total) <= 0.1 * measured.total
+    tensors = measured.total - measured.workspace  # the allocator's highest count after any operator
+    assert 0 <= tensors - predicted.total <= measured.allocator_slack, (tensors, predicted.total)
+    per_layer = memory.layer_workspaces(model, images(128), precision=precision, device="cuda")
+    # Up to the allocator's rounding of two blocks (the workspace's and an output's), 1 MiB each.
+    assert measured.workspace <= max(per_layer.values()) + 2 * memory.counting.CUDA_UNSPLIT, per_layer
 
 
 @cuda

@@ -4,6 +4,8 @@ measure()          peak memory of a block of code (measuring.py).
 breakdown()        one training step measured: parameters, gradients, optimizer state, saved
                    activations, the rest, the peak (measuring.py).
 estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py).
+layer_workspaces() on a CUDA GPU, the scratch memory each layer takes inside its operators (cuDNN's
+                   convolution workspaces), which no prediction from tensors includes (workspaces.py).
 optimizer_state_bytes()  the optimizer state each optimizer name keeps, from the parameters (prediction.py).
 max_batch_size()   the largest batch under a memory budget; accumulation keeps a global batch (plan.py).
 MemoryBreakdown, breakdown_table(), plot_breakdowns(), plot_memory_timeline(): the parts and their
@@ -38,6 +40,7 @@ from .measuring import Measurement, breakdown, measure
 from .parts import MemoryBreakdown, breakdown_table, plot_breakdowns, plot_memory_timeline
 from .plan import BatchSizePlan, max_batch_size
 from .prediction import OPTIMIZER_STATE, estimate, optimizer_state_bytes
+from .workspaces import layer_workspaces
 
 __all__ = [
     "OPTIMIZER_STATE",
@@ -56,6 +59,7 @@ __all__ = [
     "find_blocks",
     "free_memory",
     "has_activation_checkpointing",
+    "layer_workspaces",
     "limit_gpu_memory",
     "max_batch_size",
     "measure",

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import pickle
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,9 +224,46 @@ def limit_gpu_memory(budget: int | float, device: str | torch.device | None = No
         free_memory(device)
 
 
+# Where torch reads its allocator settings at start-up, in the order it tries them (c10's AllocatorConfig, torch
+# 2.11 to 2.14); PYTORCH_ALLOC_CONF is the new name, the others are kept for compatibility.
+_ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_applied: str | None = None  # the settings expandable_segments() applied last: torch 2.11 cannot read them back
+
+
+def allocator_settings() -> str:
+    """The allocator settings torch applied last, as a string like "max_split_size_mb:128,expandable_segments:True".
+
+    Recent torch (2.14) reads them back (torch._C._accelerator_getAllocatorSettings); torch 2.11 has no
+    getter, so there they are what expandable_segments() applied last, else the environment variable torch
+    read at start-up. Settings applied with torch's own setter are then not seen.
+    """
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return getter()
+    if _applied is not None:
+        return _applied
+    return next((os.environ[name] for name in _ALLOCATOR_VARIABLES if name in os.environ), "")
+
+
+def _expandable_in(settings: str) -> bool:
+    # The last value wins, as torch parses left to right; absent means off (torch's default).
+    values = re.findall(r"expandable_segments\s*:\s*(\w+)", settings)
+    return bool(values) and values[-1] == "True"
+
+
 def _expandable_now() -> bool:
-    settings = torch._C._accelerator_getAllocatorSettings().replace(" ", "").lower()
-    return "expandable_segments:true" in settings
+    return _expandable_in(allocator_settings())
+
+
+def _apply(settings: str, enabled: bool) -> None:
+    """Apply `settings` with expandable segments `enabled`. Each call resets the options it does not name
+    (max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions) to torch's defaults, so the
+    previous settings are applied again with the new value last."""
+    global _applied
+    others = re.sub(r"expandable_segments\s*:\s*\w+", "", settings)
+    settings = ",".join([*(part for part in others.split(",") if part.strip()), f"expandable_segments:{enabled}"])
+    torch._C._accelerator_setAllocatorSettings(settings)  # torch 2.11 to 2.14 (torch.cuda's wrapper is deprecated)
+    _applied = settings
 
 
 @contextlib.contextmanager
@@ -233,18 +272,20 @@ def expandable_segments(enabled: bool = True) -> Iterator[None]:
 
     With expandable segments the allocator grows one mapping instead of reserving fixed-size
     segments, so memory freed in one shape can be reused by another: less fragmentation, the
-    gap between reserved and allocated shrinks. The same as PYTORCH_CUDA_ALLOC_CONF=
-    expandable_segments:True for this block; cached memory is released on entry and exit.
+    gap between reserved and allocated shrinks. The same as PYTORCH_ALLOC_CONF=
+    expandable_segments:True for this block; the other allocator settings are kept, and cached
+    memory is released on entry and exit.
     """
     _cuda_device(None, "expandable_segments")
-    previous = _expandable_now()
+    previous_settings = allocator_settings()
+    previous = _expandable_in(previous_settings)
     free_memory("cuda")
-    torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{enabled}")
+    _apply(previous_settings, enabled)
     try:
         yield
     finally:
         free_memory("cuda")
-        torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{previous}")
+        _apply(previous_settings, previous)
 
 
 @dataclass

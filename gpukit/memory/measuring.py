@@ -4,7 +4,8 @@ measure()     peak memory of a block of code. On CUDA, the caching allocator's s
               (allocated, reserved, and the cache between them); elsewhere, the bytes of
               tensor storages alive, tracked operator by operator.
 breakdown()   one training step measured: parameters, gradients, optimizer state,
-              activations saved for backward (saved-tensor hooks), the rest, the peak.
+              activations saved for backward (saved-tensor hooks), the rest, the peak; on
+              CUDA also the workspace held only inside operators (cuDNN's, above all).
 
 The step is gpukit.step's TrainStep, the one fit runs, on a batch of any form.
 """
@@ -293,7 +294,10 @@ def breakdown(
     and measures the second, which starts from the steady state (optimizer state present).
     Parameters, gradients, optimizer state and saved activations are counted from the tensors
     themselves; the peak comes from the CUDA allocator on a GPU, and from tensor storages
-    tracked per operator elsewhere. `set_to_none=False` keeps zeroed gradients between steps.
+    tracked per operator elsewhere. On a GPU the peak also holds library workspaces, memory
+    taken and freed inside one operator (cuDNN's convolution workspaces): reported as
+    `workspace`, the peak minus the allocator's highest count after any operator.
+    `set_to_none=False` keeps zeroed gradients between steps.
     """
     check_model(model)
     batch = sample_batch(model, batch, labels)

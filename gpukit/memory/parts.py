@@ -18,9 +18,15 @@ class MemoryBreakdown:
     params, buffers, grads, optimizer_state:  what the model and optimizer keep.
     activations:  bytes saved for backward in the forward pass (autocast's low-precision
                   weight copies included), each storage once.
-    total:        the peak during the step; `other` is what the parts above do not explain
-                  (temporaries, the input batch, cuDNN/cuBLAS workspaces on a GPU). It is
-                  negative when gradients and saved activations never all lived at once.
+    total:        the peak during the step; `other` is what the parts above (and `workspace`)
+                  do not explain (temporaries, the input batch, the cuBLAS workspaces on a GPU).
+                  It is negative when gradients and saved activations never all lived at once.
+    workspace:    measured on CUDA only (a property): memory held only inside an operator, the
+                  peak minus the allocator's highest count after any operator. It is the scratch
+                  space libraries take from the caching allocator for one call and free before
+                  it returns, above all cuDNN's convolution workspaces, whose size depends on the
+                  algorithm cuDNN picks (shapes, dtype, TF32 allowed or not), not on any tensor:
+                  a prediction cannot count it (see layer_workspaces()).
     allocator_cache: CUDA only: reserved minus allocated at the peak.
     layers:       saved bytes per module (the innermost module running when it was saved).
     timeline:     bytes of tensor storages alive after each operator; `phases` gives the
@@ -53,11 +59,19 @@ class MemoryBreakdown:
     allocator_slack: int | None = None
 
     @property
+    def workspace(self) -> int | None:
+        """Bytes held only inside an operator at the peak (CUDA measurements; None elsewhere)."""
+        if not self.allocated_timeline:
+            return None
+        return self.total - max(self.allocated_timeline)
+
+    @property
     def other(self) -> int:
-        return self.total - (self.params + self.buffers + self.grads + self.optimizer_state + self.activations)
+        known = self.params + self.buffers + self.grads + self.optimizer_state + self.activations
+        return self.total - known - (self.workspace or 0)
 
     def parts(self) -> dict[str, int]:
-        """The stacked categories, in bytes (the allocator cache only where measured)."""
+        """The stacked categories, in bytes (the workspace and the allocator cache only where measured)."""
         parts = {
             "parameters": self.params + self.buffers,
             "gradients": self.grads,
@@ -65,6 +79,8 @@ class MemoryBreakdown:
             "saved activations": self.activations,
             "other": self.other,
         }
+        if self.workspace is not None:
+            parts["workspace (inside operators)"] = self.workspace
         if self.allocator_cache is not None:
             parts["allocator cache"] = self.allocator_cache
         return parts
@@ -117,6 +133,7 @@ _COLOURS = {
     "optimizer state": "#55a868",
     "saved activations": "#c44e52",
     "other": "#8c8c8c",
+    "workspace (inside operators)": "#8172b3",
     "allocator cache": "#d9d9d9",
 }
 

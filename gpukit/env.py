@@ -342,6 +342,10 @@ def _choose_profile(device: str, cpu_count: int) -> tuple[Profile, str]:
                 "or unset it to choose automatically."
             )
         return PROFILES[override], "set by GPUKIT_PROFILE"
+    return _automatic_profile(device, cpu_count)
+
+
+def _automatic_profile(device: str, cpu_count: int) -> tuple[Profile, str]:
     if device == "cuda":
         return PROFILES["gpu"], "a CUDA GPU is present"
     if os.environ.get("CI"):
@@ -445,10 +449,17 @@ def as_dict(env: Env) -> dict:
 
 
 def profile_for(device: str | torch.device) -> Profile:
-    """The profile for work that runs on `device` here (GPUKIT_PROFILE still decides when set).
+    """The profile for work that runs on `device` here.
 
     Sizes follow the device that does the work: a lesson that trains in CPU worker processes
     on a machine with one GPU sizes them as this machine's CPU profile, not the GPU's.
+    GPUKIT_PROFILE still decides when set, except that `gpu` sizes are for CUDA devices only:
+    under GPUKIT_PROFILE=gpu, work on the CPU gets this machine's own choice for the CPU (`cpu`,
+    or `tiny` with at most 2 cores). On an H100 host (16 cores), lesson 04's CPU ranks at gpu sizes
+    (1 GiB gloo all-reduces, width-64 CNNs) ran past a cell's 240 s; at cpu sizes they take about 30 s.
     """
-    profile, _ = _choose_profile(torch.device(device).type, os.cpu_count() or 1)
+    kind, cpu_count = torch.device(device).type, os.cpu_count() or 1
+    profile, _ = _choose_profile(kind, cpu_count)
+    if profile.name == "gpu" and kind != "cuda":
+        profile, _ = _automatic_profile(kind, cpu_count)
     return profile

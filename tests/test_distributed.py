@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -267,6 +268,32 @@ def test_setup_errors(monkeypatch):
         with pytest.raises(ValueError, match="needs GPU cuda:0, but this machine shows 0 GPU"):
             distributed.setup("nccl")
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("shared", "variable", "advice"),
+    [
+        ("True", None, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and c10d"),  # c10d sharing its store
+        ("True", "1", "add --standalone"),  # static rendezvous: the variable does not change its store
+        ("False", "1", None),  # c10d with a fresh store per attempt: nothing to say
+    ],
+)
+def test_setup_warns_where_torchrun_restarts_may_read_stale_addresses(monkeypatch, shared, variable, advice):
+    """torchrun's environment, as its workers see it, under --max-restarts=1 (pytorch/pytorch#135712)."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    if variable is None:
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", variable)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distributed.parallel._warn_if_restarts_may_fail()
+    messages = [str(warning.message) for warning in caught]
+    if advice is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and advice in messages[0] and "135712" in messages[0], messages
 
 
 def as_rank(monkeypatch, rank: int, world_size: int = 2) -> None:

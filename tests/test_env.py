@@ -300,5 +300,12 @@ def test_sizes_follow_the_device_that_does_the_work(monkeypatch):
     assert gpukit.env.profile_for("cpu").name == "cpu"
     monkeypatch.setattr(gpukit.env.os, "cpu_count", lambda: 2)
     assert gpukit.env.profile_for(torch.device("cpu")).name == "tiny"
-    monkeypatch.setenv("GPUKIT_PROFILE", "gpu")  # a profile set by hand still decides
-    assert gpukit.env.profile_for("cpu").name == "gpu"
+    monkeypatch.setenv("GPUKIT_PROFILE", "gpu")  # gpu sizes are for CUDA: CPU work keeps the CPU's own profile
+    assert gpukit.env.profile_for("cuda").name == "gpu"
+    assert gpukit.env.profile_for("cpu").name == "tiny"  # 2 cores
+    monkeypatch.setattr(gpukit.env.os, "cpu_count", lambda: 16)
+    assert gpukit.env.profile_for("cpu").name == "cpu"
+    monkeypatch.setenv("GPUKIT_PROFILE", "tiny")  # any other profile set by hand decides, for every device
+    assert gpukit.env.profile_for("cuda").name == "tiny" and gpukit.env.profile_for("cpu").name == "tiny"
+    monkeypatch.setenv("GPUKIT_PROFILE", "gpu")
+    assert gpukit.detect().profile.name == "gpu"  # the lesson's own profile is still the one set by hand

@@ -2,8 +2,12 @@
 
 Run it under torchrun with a restart allowed and watch the job resume from its last checkpoint:
 
-    torchrun --nproc-per-node=2 --max-restarts=1 examples/cluster/fault_drill.py \
-        train --device cpu --epochs 4 --checkpoint-dir runs/drill --no-progress
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=1 \
+        examples/cluster/fault_drill.py train --device cpu --epochs 4 --checkpoint-dir runs/drill --no-progress
+
+Both settings give every attempt a fresh rendezvous store (c10d rendezvous, not sharing its store with the
+workers); without either, the restarted group may read the first attempt's addresses and fail to connect
+(README.md beside this file, "Surviving a failure").
 
 Everything after the script's name is a `gpukit train` command line (it needs --checkpoint-dir).
 In the first attempt, the worker of rank GPUKIT_DRILL_RANK (default 1) sends itself SIGKILL, with

@@ -101,16 +101,29 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> Worker
 
 
 def _warn_if_restarts_may_fail() -> None:
-    """torchrun (torch 2.14) shares its own store with the workers and keeps it across restarts; a
-    restarted group can then read the previous attempt's addresses and fail to connect, or hang
-    (measured: 2 of 4 restarts on this kit's fault drill; pytorch/pytorch#135712). With
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun gives every attempt a fresh store."""
+    """torchrun keeps one store for all attempts of a job, shared with the workers, unless it uses c10d
+    rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. A restarted group can then read the previous
+    attempt's addresses and fail to connect (`Gloo connectFullMesh failed ... Connection refused`) or hang
+    (pytorch/pytorch#135712). Measured on this kit's fault drill (torch 2.14): 3 of 3 restarts failed with
+    c10d and a shared store, 2 of 3 with static rendezvous, which the variable does not change. Static is
+    what `torchrun --nproc-per-node=N` alone used before torch 2.14 (and --master-port or --nnodes without
+    --rdzv-backend still use); it failed the drill on torch 2.11 with the variable set."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and is_main():
+        if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+            fix = (
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set, so torchrun uses static rendezvous, which keeps its "
+                "store whatever the variable says: add --standalone (one machine) or --rdzv-backend=c10d "
+                "--rdzv-endpoint=HOST:PORT --rdzv-id=JOB (several)."
+            )
+        else:
+            fix = (
+                "Start torchrun with the environment variable TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and c10d "
+                "rendezvous: --standalone (one machine) or --rdzv-backend=c10d (several)."
+            )
         warnings.warn(
-            "torchrun was started with --max-restarts but shares its store with the workers, so a restarted "
-            "group may fail to connect or hang (pytorch/pytorch#135712). Start torchrun with the environment "
-            "variable TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.",
+            "torchrun was started with --max-restarts but keeps one store, shared with the workers, for every "
+            f"attempt, so a restarted group may fail to connect or hang (pytorch/pytorch#135712). {fix}",
             stacklevel=3,
         )
 

@@ -25,6 +25,7 @@ from .checkup import collect
 from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
 from .train import CheckpointError, History, NonFiniteLossError, fit
+from .train.checks import check_checkpoint_dir
 
 DATASETS = ("shapes", "cifar10", "folder", "text")
 MODELS = ("fast_cnn", "resnet18", "gpt")
@@ -140,6 +141,8 @@ def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}.")
     if args.lr is not None and args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}.")
+    # A file, or a folder that cannot be written, is said now: not after the data is built and an epoch trained.
+    check_checkpoint_dir(args.checkpoint_dir, "--checkpoint-dir")
 
 
 def _data(args: argparse.Namespace, sizes: dict[str, int], device):

@@ -307,6 +307,20 @@ def muon_with_adamw(model, *, lr: float, weight_decay: float, no_decay_1d: bool 
 # Schedules
 
 
+def _onecycle_warmup_fraction(warmup_steps: float, total_steps: int) -> float:
+    """OneCycleLR's pct_start for a warm-up of `warmup_steps`: the peak is reached at step warmup_steps - 1.
+
+    OneCycleLR ends its warm-up at step float(pct_start * total_steps) - 1 and divides by that step; where it is
+    exactly 0 (a warm-up of one step: max_steps=5 with warmup=0.2, or warmup=0 over 10**6 steps) it divides 0
+    by 0. A fraction a few units in the last place smaller makes it a warm-up shorter than one step, as any
+    warm-up below one step is: the first step is at the peak.
+    """
+    fraction = max(warmup_steps / total_steps, 1e-6)
+    while float(fraction * total_steps) - 1 == 0:
+        fraction = math.nextafter(fraction, 0.0)
+    return fraction
+
+
 def make_schedule(
     optimizer: torch.optim.Optimizer, schedule: str, total_steps: int | None, warmup: float
 ) -> torch.optim.lr_scheduler.LRScheduler:
@@ -335,7 +349,7 @@ def make_schedule(
             optimizer,
             max_lr=peak,
             total_steps=total_steps + 1,
-            pct_start=max(warmup_steps / (total_steps + 1), 1e-6),
+            pct_start=_onecycle_warmup_fraction(warmup_steps, total_steps + 1),
             anneal_strategy="cos",
             cycle_momentum=False,
             div_factor=25.0,

@@ -263,6 +263,14 @@ def _check_same_shape(prediction: torch.Tensor, target: torch.Tensor, name: str)
         )
 
 
+def _not_a_scalar(value) -> str:
+    if value is None:
+        return "None (is its `return` missing?)"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}, not a tensor"
+
+
 # Losses that compare outputs and targets element by element: a shape mismatch is always a bug.
 _ELEMENTWISE_FUNCTIONS = (
     F.mse_loss,
@@ -346,10 +354,10 @@ class Loss:
                     self._check_range(prediction, target)
                 loss = self.fn(prediction, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            source = "the model's own 'loss'" if self.uses_model_loss(model_loss) else f"loss_fn {self.name!r}"
             raise ValueError(
-                f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()), or use a loss function "
-                "with reduction='mean'."
+                f"{source} returned {_not_a_scalar(loss)}; the loss must be a scalar tensor: reduce it (e.g. .mean()), "
+                "or use a loss function with reduction='mean'."
             )
         return loss.float()
 

@@ -151,6 +151,20 @@ def test_main_rejects_bad_arguments(monkeypatch, capsys, arguments, words):
         assert word in error
 
 
+@pytest.mark.parametrize("case", ["a file", "inside a file", "read-only"])
+def test_unusable_checkpoint_dir_is_one_line_before_any_data(monkeypatch, capsys, tmp_path, case):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    # sysfs refuses new entries to every user, root included (chmod does not stop root)
+    folder = {"a file": a_file, "inside a file": a_file / "runs", "read-only": "/sys/gpukit-test-runs"}[case]
+    monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
+    monkeypatch.setattr("gpukit.cli._data", lambda *args: pytest.fail("the data was built before the check"))
+    assert main(["train", "--checkpoint-dir", str(folder), "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"gpukit: error: --checkpoint-dir '{folder}' ") and error.count("\n") == 1, error
+    assert "is a file, not a folder" in error if case == "a file" else "cannot be written" in error
+
+
 def test_main_without_a_command_shows_usage(capsys):
     with pytest.raises(SystemExit) as exit:
         main([])

@@ -633,7 +633,11 @@ def test_labels_outside_the_models_classes(small_data, device):
         ("batch of a string", TypeError, r"cannot use a batch of the form str.*accepted forms are \(inputs, target\)"),
         ("bare tensor batches", TypeError, r"cannot use a batch of the form tensor\(8, 4, 4\); the accepted forms"),
         ("float target, no loss_fn", ValueError, r"cross-entropy needs integer class targets.*loss_fn='mse'"),
-        ("non-scalar loss", ValueError, r"the loss must be a scalar tensor, got \(8, 1\).*\.mean\(\)"),
+        (
+            "non-scalar loss",
+            ValueError,
+            r"loss_fn '<lambda>' returned a tensor of shape \(8, 1\); the loss must be a scalar tensor.*\.mean\(\)",
+        ),
         ("dict batch, no loss", ValueError, r"batch has no target and the model returned no 'loss'"),
         (
             "mse shapes that broadcast",

@@ -1,15 +1,19 @@
 """The one wording of "must be" errors (gpukit.validation), used by every argument check in the kit."""
 
 import math
+import re
 
 import pytest
 
 from gpukit.validation import check_int, check_number, is_int
 
 
-@pytest.mark.parametrize("value", [True, 1.0, "3", None, 0, -2])
-def test_check_int_refuses_what_is_not_a_positive_integer(value):
-    with pytest.raises(ValueError, match=rf"batch_size must be a positive integer, got {value!r}\."):
+@pytest.mark.parametrize(
+    "value, shown",
+    [(True, "True (a bool)"), (1.0, "1.0"), ("3", "'3' (a str)"), (None, "None"), (0, "0"), (-2, "-2")],
+)
+def test_check_int_refuses_what_is_not_a_positive_integer(value, shown):
+    with pytest.raises(ValueError, match=rf"batch_size must be a positive integer, got {re.escape(shown)}\.$"):
         check_int("batch_size", value)
 
 
@@ -26,6 +30,12 @@ def test_check_int_bounds_and_notes():
 def test_check_number_refuses_what_is_not_a_finite_positive_number(value):
     with pytest.raises(ValueError, match="lr must be a positive number"):
         check_number("lr", value)
+
+
+@pytest.mark.parametrize("value, shown", [("1.0", "'1.0' (a str)"), ([1], "[1] (a list)"), (math.nan, "nan")])
+def test_check_number_names_the_type_of_what_is_not_a_number(value, shown):
+    with pytest.raises(ValueError, match=rf"clip must be a positive number, got {re.escape(shown)}\.$"):
+        check_number("clip", value)
 
 
 def test_check_number_may_allow_zero():

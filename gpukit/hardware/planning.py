@@ -11,14 +11,17 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..bench import compare, flops_per_step, matmul_tflops
 from ..env import resolve_device
+from ..memory.counting import storage_bytes
 from ..memory.measuring import check_model, sample_batch
 from ..memory.parts import MemoryBreakdown
 from ..memory.plan import repeated
@@ -62,6 +65,12 @@ TYPICAL_MFU = 0.35
 # microseconds; 5 µs is a typical figure. Small models are bound by it, not by FLOPs: the GPU waits
 # for the next kernel. CUDA graphs and torch.compile remove most of it.
 LAUNCH_SECONDS = 5e-6
+
+# mfu="measured" trains a copy of the model here, so it first predicts that run's memory (fake tensors:
+# nothing runs) and measures only where the prediction times this factor fits what is free: the prediction
+# leaves out allocator rounding, fragmentation and what other processes take meanwhile. A 1.07 B-parameter
+# model measured without this check ran the Python process out of RAM.
+MEASURE_HEADROOM = 1.25
 
 
 def step_traffic(memory: MemoryBreakdown) -> int:
@@ -309,7 +318,9 @@ def plan(
         the CUDA context: the prediction does not include them).
     mfu: the fraction of a GPU's dense peak the step reaches. "measured" (default): measured for
         this model on the machine present (`device`, default the best here; on a CPU against the
-        CPU's own measured matmul peak) and assumed for every GPU; "typical": TYPICAL_MFU; or a number.
+        CPU's own measured matmul peak) and assumed for every GPU, unless those steps would not fit in the
+        memory free here (predicted first, with fake tensors): then TYPICAL_MFU, said in one printed line;
+        "typical": TYPICAL_MFU; or a number.
     prices: US$ per GPU-hour by GPU name, on top of the example PRICES (see PRICES_SOURCE).
     With mfu="measured", the model is also checked: the step time predicted at twice the batch
     (from the MFU measured at the batch) against a measured step at twice the batch (plan.check).
@@ -350,19 +361,8 @@ def plan(
     usables = {gpu.memory_bytes: int(gpu.memory_bytes * (1 - margin)) for gpu in chosen}
     largest = _largest_batches(lambda b: predicted(b).total, usables, size, memory.activations)
 
-    check: dict = {}
-    if mfu == "typical":
-        mfu_value, mfu_source = TYPICAL_MFU, "typical value, see TYPICAL_MFU"
-    elif mfu == "measured":
-        double = (
-            flops_per_step(model, resized(sample, 2 * size, torch.device("meta")), loss_fn=loss_fn),
-            step_traffic(predicted(2 * size)),
-        )
-        mfu_value, mfu_source, check = _measure(
-            model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats
-        )
-    else:
-        mfu_value, mfu_source = float(mfu), "given"
+    measuring = (optimizer, precision, device, loss_fn, repeats)
+    mfu_value, mfu_source, check = _choose_mfu(mfu, model, sample, flops, predicted, *measuring)
     work = {"flops": flops, "traffic": traffic, "kernels": kernels, "mfu": mfu_value, "steps": steps}
     rows = [
         _row(gpu, usables[gpu.memory_bytes], memory.total, largest[gpu.memory_bytes], price_table.get(gpu.name),
@@ -426,6 +426,102 @@ def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, preci
         f"{biggest.gpu}, has {format_bytes(biggest.usable)} usable: {format_bytes(memory.total - biggest.usable)} "
         f"short. Fixes from lesson 03: {', '.join(fix for fix in fixes if fix)}."
     )
+
+
+def _choose_mfu(mfu, model, sample, flops, predicted, optimizer, precision, device, loss_fn, repeats):
+    """(MFU, where it comes from, the check on this machine) for mfu="measured", "typical" or a number.
+    "measured" falls back to TYPICAL_MFU, said in one line, where measuring here would not fit in memory."""
+    if mfu == "typical":
+        return TYPICAL_MFU, "typical value, see TYPICAL_MFU", {}
+    if mfu != "measured":
+        return float(mfu), "given", {}
+    size = sample.size
+    too_big = _too_big_to_measure(model, sample, optimizer, precision, device, loss_fn)
+    if too_big is not None:
+        print(f"plan: {too_big}; assumed mfu={TYPICAL_MFU:g} (TYPICAL_MFU) instead, and checked nothing here.")
+        return TYPICAL_MFU, f"typical value, see TYPICAL_MFU ({too_big})", {}
+    double = (
+        flops_per_step(model, resized(sample, 2 * size, torch.device("meta")), loss_fn=loss_fn),
+        step_traffic(predicted(2 * size)),
+    )
+    return _measure(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats)
+
+
+def _too_big_to_measure(model, sample, optimizer, precision, device, loss_fn) -> str | None:
+    """Why the measured steps (a copy of the model trained at twice the sample's batch) would not fit the
+    memory free here, or None where they fit (or where free memory cannot be read)."""
+    device = resolve_device(device)
+    fast, _ = has_fast_kernels(precision, device)
+    target = device if device.type == "cuda" else torch.device("cpu")  # mps shares the host's memory
+    step = predict(
+        model,
+        sample,
+        2 * sample.size,
+        optimizer=optimizer,
+        precision=precision if fast else "fp32",  # as _measure_here runs it
+        target=target,
+        loss_fn=loss_fn,
+        set_to_none=True,
+    )
+    batches = 3 * storage_bytes(sample.tensors())  # the batches at size and 2·size stay on the device
+    needs = {target: int((step.total + batches) * MEASURE_HEADROOM)}
+    if target.type == "cuda" and next(model.parameters()).device.type == "cpu":  # copied in RAM, then moved
+        host = torch.device("cpu")
+        needs[host] = int(storage_bytes([*model.parameters(), *model.buffers()]) * MEASURE_HEADROOM)
+    short = [
+        f"{format_bytes(need)} on {where.type.upper()}, where {format_bytes(free)} is free"
+        for where, need in needs.items()
+        if (free := _free_bytes(where)) is not None and need > free
+    ]
+    return f"measuring the MFU here would need about {' and '.join(short)}" if short else None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on `device`: a CUDA GPU's free memory plus what PyTorch caches unused;
+    the host's available RAM, within a cgroup's (a container's) limit. None where it cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = [room for room in (_available_ram(), _cgroup_room()) if room is not None]
+    return min(available) if available else None
+
+
+def _available_ram() -> int | None:
+    try:  # Linux: MemAvailable counts the page cache the kernel can drop, unlike MemFree
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every system has these names (macOS lacks the first)
+        return None
+
+
+# (limit, usage, reclaimable page cache in memory.stat) of this process's memory cgroup: version 2, then 1.
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "inactive_file"),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "total_inactive_file",
+    ),
+)
+
+
+def _cgroup_room() -> int | None:
+    """A container's memory limit less what it uses (page cache it can drop excluded); None without a limit."""
+    for limit_file, usage_file, cache_key in _CGROUP_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit == "max":
+                return None
+            stat = dict(line.split()[:2] for line in (Path(limit_file).parent / "memory.stat").read_text().splitlines())
+            return int(limit) - int(Path(usage_file).read_text()) + int(stat.get(cache_key, 0))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _measure(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):

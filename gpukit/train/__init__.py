@@ -4,6 +4,7 @@ and the learning-rate range test `lr_find`. One training step on one batch is de
 
 from ..runfile import HistoryFileError
 from .checkpoint import CheckpointError
+from .checks import NonFiniteInputError
 from .evaluation import evaluate
 from .history import History
 from .loop import NonFiniteLossError, as_loader, fit
@@ -14,6 +15,7 @@ __all__ = [
     "History",
     "HistoryFileError",
     "LRFinderResult",
+    "NonFiniteInputError",
     "NonFiniteLossError",
     "as_loader",
     "evaluate",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -27,12 +28,15 @@ def evaluate(
     metrics: dict[str, Callable] | None = None,
 ) -> dict:
     """Mean loss, accuracy (integer targets scored with cross-entropy) and `metrics` of `model` on
-    `data` (a Dataset, a loader or a re-iterable of batches of any form), in eval mode.
+    `data` (a Dataset, a loader or a re-iterable of batches of any form), in eval mode, on `device`
+    (default: where the model's parameters or buffers are; a model with neither runs on the best device here).
 
     Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and "tokens"
     for sequence data}. The loss and metrics are means over samples; accuracy is over scored targets.
     """
-    device = resolve_device(device) if device is not None else next(model.parameters()).device
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module to evaluate, got {type(model).__name__}.")
+    device = resolve_device(device) if device is not None else _model_device(model)
     precision = get_precision(precision, device)
     loss = loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
     metrics = check_metrics(metrics)
@@ -50,3 +54,9 @@ def evaluate(
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
     return tally.read(tokens=True) | {"samples": tally.samples}
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters (else its buffers) are; a model with neither runs anywhere: the best device."""
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return tensor.device if tensor is not None else resolve_device(None)

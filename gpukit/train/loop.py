@@ -35,15 +35,12 @@ from ..step import Batch, Loss, TrainStep
 from ..validation import check_int, check_number
 from ..widgets import Progress
 from .checkpoint import Checkpointer
+from .checks import NonFiniteLossError, check_arguments, check_eval_data, check_finite_inputs, check_first_batch
 from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
 from .history import History
 from .tally import RunningSums, Tally, check_metrics
 from .tensorboard_log import open_log
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN or infinite loss."""
 
 
 def fit(
@@ -106,11 +103,13 @@ def fit(
         function of (outputs, target), "cross_entropy" or "mse" (default the model's own `loss` if
         it returns one, else cross-entropy for integer targets); smoothing for cross-entropy in
         training only; {name: fn(outputs, target) -> number}, averaged over samples per epoch as
-        columns train_<name> and eval_<name> (accuracy is added where it means something).
+        columns train_<name> and eval_<name> (accuracy is added where it means something). eval_data's
+        first batch, the loss and the metrics are tried before the first step (gpukit.train.checks).
     progress, live_plot, log_every: a progress bar (and live curves) in the notebook; a History
         row every log_every optimizer steps (one host-device synchronisation each).
     checkpoint_dir: the model, optimizer, schedule, loss scaler and history are saved there after
-        every epoch (atomically), and a later call with the same folder resumes.
+        every epoch (atomically), and a later call with the same folder resumes. A file, or a folder that
+        cannot be written, is refused before any work.
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
     seed: the order of the data (the model's weights are yours: seed before building it).
@@ -124,12 +123,15 @@ def fit(
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
     _check_model(model)
+    check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
+    check_eval_data(model, eval_data, epochs=epochs, device=device, precision=precision,
+                    channels_last=channels_last, loss_fn=loss_fn, metrics=metrics)  # fmt: skip
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
     forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
@@ -164,8 +166,8 @@ def fit(
 def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:
     check_int("epochs", epochs, minimum=0)
     check_int("accumulate", accumulate, note="(micro-batches per optimizer step)")
-    if clip is not None and not clip > 0:
-        raise ValueError(f"clip must be a positive gradient-norm bound or None, got {clip!r}.")
+    if clip is not None:
+        check_number("clip", clip, note="(a bound on the gradients' global norm) or None")
     if lr is not None:
         check_lr(lr)
     if not isinstance(log_every, int) or log_every < 1:
@@ -383,7 +385,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         _micro_step(run, batch, last, tally, window)
         micro += 1
         if last:
-            _optimizer_step(run, window, epoch)
+            _optimizer_step(run, window, epoch, batch)
             if run.done():
                 break
     if micro % run.accumulate:  # data without len(): drop the gradients of the last, incomplete step
@@ -394,7 +396,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
             "only once: pass a list, a Dataset or a DataLoader."
         )
     if window.steps:
-        _log(run, window, epoch)
+        _log(run, window, epoch, batch)
     return tally, time.perf_counter() - started
 
 
@@ -404,6 +406,7 @@ def _first_batch(run: _Run, batch: Batch) -> None:
     run.micro_batch_size = run.micro_batch_size or batch.size
     run.history.batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
     run.history.sample_name = batch.sample_name
+    check_first_batch(run.model, batch, run.precision, run.device)  # inputs of another dtype than the weights, named
     if run.channels_last and not any(t.dim() == 4 and t.is_floating_point() for t in batch.tensors()):
         warnings.warn(
             "channels_last=True applies to 4-D image batches; these inputs have none, so "
@@ -424,7 +427,7 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
     run.phase = "loading data"
 
 
-def _optimizer_step(run: _Run, window: _Window, epoch: int) -> None:
+def _optimizer_step(run: _Run, window: _Window, epoch: int, batch: Batch) -> None:
     run.phase = "optimizer step"
     run.step.step()
     run.scheduler.step()
@@ -432,7 +435,7 @@ def _optimizer_step(run: _Run, window: _Window, epoch: int) -> None:
     run.step_index += 1
     window.steps += 1
     if window.steps == run.log_every or run.step_index == run.total_steps:
-        _log(run, window, epoch)
+        _log(run, window, epoch, batch)
 
 
 def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
@@ -505,14 +508,16 @@ class _Window:
         return row
 
 
-def _log(run: _Run, window: _Window, epoch: int) -> None:
+def _log(run: _Run, window: _Window, epoch: int, batch: Batch | None = None) -> None:
     row = window.row(run.step_index, epoch + 1, run.step.optimizer.param_groups[0]["lr"])
     if not math.isfinite(row["loss"]):
+        check_finite_inputs(batch, run.step_index, epoch)  # NaN or inf in the data is named as a data problem
         raise NonFiniteLossError(
             f"the loss became {row['loss']} between optimizer steps {run.step_index - window.steps + 1} and "
             f"{run.step_index} (epoch {epoch + 1}, precision={run.precision.name}, peak lr={run.peak_lr:g}). Try a "
             "lower lr, more warm-up, gradient clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss "
-            "scaling if you scale by hand)."
+            "scaling if you scale by hand). The last batch read holds no NaN or inf (log_every=1 checks the batch "
+            "of every step)."
         )
     run.history.steps.append(row)
     run.board.add_step(row)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keyword
+import numbers
 from collections.abc import Callable, Mapping
 
 import torch
@@ -30,6 +31,22 @@ def check_metrics(metrics) -> dict[str, Callable]:
         if not callable(fn):
             raise TypeError(f"metric {name!r} is a {type(fn).__name__}, not a function of (outputs, target).")
     return dict(metrics)
+
+
+def check_metric_value(name: str, value) -> None:
+    """One number per batch, as a metric must return: checked on the first batch, before the first optimizer step."""
+    if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return
+    if value is None:
+        got = "None (is its `return` missing?)"
+    elif isinstance(value, torch.Tensor):
+        got = f"a tensor of shape {tuple(value.shape)}"
+    else:
+        got = f"a {type(value).__name__}"
+    raise ValueError(
+        f"metric {name!r} returned {got}; a metric returns one number per batch (a Python number or a one-element "
+        "tensor), e.g. lambda outputs, target: (outputs - target).abs().mean()."
+    )
 
 
 class RunningSums:
@@ -72,7 +89,8 @@ class Tally:
         self.sums = RunningSums(device, ["loss", "correct", "scored", "tokens", *metrics])
 
     def add(self, batch: Batch, loss: torch.Tensor, prediction, model_loss=None) -> None:
-        if self.accuracy is None:
+        first = self.accuracy is None
+        if first:
             self.accuracy = prediction is not None and self.loss.tracks_accuracy(batch, model_loss)
         size = batch.size
         self.samples += size
@@ -88,7 +106,10 @@ class Tally:
             with torch.no_grad():
                 output = prediction.detach() if prediction is not None else None
                 for name, fn in self.metrics.items():
-                    self.sums.add(name, fn(output, batch.target) * size)
+                    value = fn(output, batch.target)
+                    if first:
+                        check_metric_value(name, value)
+                    self.sums.add(name, value * size)
 
     def over_ranks(self) -> None:
         """Add up every rank's sums and samples (one all-reduce)."""

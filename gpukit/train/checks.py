@@ -1,0 +1,249 @@
+"""Mistakes found before any training time is spent, each named with what to do.
+
+    check_arguments      the types of what is not checked elsewhere (seed), a model with something to train,
+                         and a checkpoint_dir that is a folder fit can write to;
+    check_eval_data      eval_data's first batch through the model (no gradients, eval mode), with the loss
+                         and the metrics, before the first step: not after the first epoch has trained;
+    check_first_batch    floating-point inputs of another dtype than the model's weights, named both;
+    check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand is a problem in the data.
+
+eval_data is checked with one real forward rather than on the meta device or with fake tensors: those
+cannot run what depends on values (an attention mask read with .item(), boolean indexing, Python control
+flow on a tensor), so they would refuse models that train, while a real forward finds exactly what evaluation
+would. One forward of a two-example batch (or of a loader's first batch) costs less than one training step.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import Dataset
+
+from .. import distributed
+from ..precision import Precision
+from ..step import Batch, Loss, training_mode, unpack_outputs
+from .data import as_loader, batch_on_device
+from .tally import Tally
+
+EVAL_CHECK_EXAMPLES = 2  # examples of a Dataset's first batch that check_eval_data runs through the model
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN or infinite loss."""
+
+
+class NonFiniteInputError(NonFiniteLossError, ValueError):
+    """The loss became NaN or infinite and the batch holds NaN or inf: a problem in the data, not the lr."""
+
+
+def check_arguments(model: nn.Module, *, seed, checkpoint_dir) -> None:
+    """What fit checks before it builds anything, besides the numbers loop.py checks."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # NumPy's integers are seeds too
+        raise ValueError(f"seed must be an integer, got {seed!r} (a {type(seed).__name__}).")
+    check_trainable(model)
+    if distributed.is_main():  # the one rank that writes checkpoints
+        check_checkpoint_dir(checkpoint_dir)
+
+
+def check_trainable(model: nn.Module) -> None:
+    parameters = list(model.parameters())
+    if parameters and not any(parameter.requires_grad for parameter in parameters):
+        raise ValueError(
+            f"all {len(parameters)} parameters of the model are frozen (requires_grad=False), so training would "
+            "change nothing; unfreeze what should learn, e.g. model.head.requires_grad_(True)."
+        )
+
+
+def check_checkpoint_dir(checkpoint_dir, name: str = "checkpoint_dir") -> None:
+    """A folder that `last.pt` can be written into, created now (as the first save would): refused before any
+    work if it is a file, or cannot be created or written. `name` is what the caller calls it (a CLI flag)."""
+    if checkpoint_dir is None:
+        return
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise ValueError(
+            f"{name} must be a folder path (a str or Path), got {checkpoint_dir!r} (a {type(checkpoint_dir).__name__})."
+        )
+    folder = Path(checkpoint_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"{name} {str(folder)!r} is a file, not a folder; pass a folder path (last.pt is saved inside it)."
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # what a save needs: a new file in the folder
+            pass
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename and str(error.filename) != str(folder) else ""
+        raise ValueError(
+            f"{name} {str(folder)!r} cannot be written: {error.strerror or error}{where}; pass a folder you "
+            "can write to (a part of its path that is a file, or a read-only disk, gives this)."
+        ) from error
+
+
+def check_eval_data(
+    model: nn.Module,
+    eval_data,
+    *,
+    epochs: int,
+    device: torch.device,
+    precision: Precision,
+    channels_last: bool,
+    loss_fn,
+    metrics: dict,
+) -> None:
+    """Run eval_data's first batch through the model, the loss and the metrics, as evaluation will after
+    each epoch; a failure names eval_data and the batch, before the first training step."""
+    if eval_data is None:
+        return
+    if isinstance(eval_data, Iterator):  # a generator: reading its first batch would take it from the evaluation
+        if epochs > 1:
+            raise ValueError(
+                f"eval_data is a {type(eval_data).__name__}, which can be read only once, but it is evaluated after "
+                f"each of the {epochs} epochs; pass a list, a Dataset or a DataLoader."
+            )
+        return
+    with _random_state_kept(device):  # a shuffled loader or a sampling model draws: training must not see it
+        batch = _first_eval_batch(eval_data, device, channels_last)
+        _evaluate_one(model, batch, device, precision, loss_fn, metrics)
+
+
+def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, loss_fn, metrics: dict) -> None:
+    with torch.no_grad(), training_mode(model, False):
+        try:
+            with precision.autocast():
+                prediction, model_loss = unpack_outputs(batch.call(model))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # any failure of the model on this batch: say which data it was
+            raise ValueError(
+                f"the model failed on eval_data's first batch ({describe(batch)}) before training started: "
+                f"{_one_line(error)}.{dtype_mismatch(model, batch)} Give eval_data batches of the form, shapes and "
+                "dtypes of the training data's."
+            ) from error
+        try:
+            loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
+            with precision.autocast():
+                value = loss(prediction, batch.target, model_loss)
+            Tally(device, loss, metrics).add(batch, value, prediction, model_loss)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            raise ValueError(
+                f"the loss or a metric failed on eval_data's first batch ({describe(batch)}) before training "
+                f"started: {_one_line(error)}"
+            ) from error
+
+
+def _first_eval_batch(eval_data, device: torch.device, channels_last: bool) -> Batch:
+    """The first batch evaluation would read, on the device (a Dataset's first EVAL_CHECK_EXAMPLES examples)."""
+    size = EVAL_CHECK_EXAMPLES if isinstance(eval_data, Dataset) else None
+    try:
+        loader = as_loader(eval_data, size, device, shuffle=False, channels_last=channels_last, shard=False)
+        raw = next(iter(loader), None)
+        if raw is None:
+            raise ValueError("it gives no batch (it is empty, or smaller than one batch with drop_last)")
+        return batch_on_device(raw, device, channels_last)
+    except TypeError as error:
+        raise TypeError(f"eval_data: {error}") from error
+    except ValueError as error:
+        raise ValueError(f"eval_data: {error}") from error
+
+
+def check_first_batch(model: nn.Module, batch: Batch, precision: Precision, device: torch.device) -> None:
+    """Floating-point inputs of another dtype than the model's weights: one forward without gradients says
+    whether the model takes them (some cast their inputs); where it does not, the error names both dtypes
+    instead of a kernel's words. Nothing runs where the dtypes agree."""
+    mismatch = dtype_mismatch(model, batch)
+    if not mismatch:
+        return
+    try:
+        with _random_state_kept(device), torch.no_grad(), training_mode(model, False):
+            with precision.autocast():
+                batch.call(model)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise ValueError(
+            f"the training data does not match the model.{mismatch} (Its forward failed with {_one_line(error)}.)"
+        ) from error
+
+
+def dtype_mismatch(model: nn.Module, batch: Batch) -> str:
+    """A sentence naming both dtypes where the batch's floating-point inputs differ from the model's weights."""
+    weights = next((parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()), None)
+    inputs = {t.dtype for t in tree_leaves((batch.args, batch.kwargs)) if _is_float_tensor(t) and t is not batch.target}
+    if weights is None or not inputs or inputs == {weights}:
+        return ""
+    data = sorted(str(dtype).removeprefix("torch.") for dtype in inputs)
+    model_dtype = str(weights).removeprefix("torch.")
+    advice = (
+        " (or keep the model in float32 and train in 16 bits with precision='bf16-mixed')"
+        if weights.itemsize < 4
+        else ""
+    )
+    return (
+        f" Its floating-point inputs are {', '.join(data)} but the model's weights are {model_dtype}: convert the "
+        f"data (inputs.to(torch.{model_dtype})) or the model (model.to(torch.{data[0]})){advice}."
+    )
+
+
+def check_finite_inputs(batch: Batch | None, step: int, epoch: int) -> None:
+    """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand (one synchronisation,
+    once) is named as a problem in the data, with the step that read the batch."""
+    named = _named_float_tensors(batch) if batch is not None else []
+    if not named:
+        return
+    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist()
+    found = [
+        f"{name} holds {nan} NaN and {inf} infinite values"
+        for (name, _), (nan, inf) in zip(named, counts)
+        if nan or inf
+    ]
+    if found:
+        raise NonFiniteInputError(
+            f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
+            f"last ({describe(batch)}) is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
+            "learning rate: remove or fix those examples (e.g. torch.nan_to_num, or drop rows where "
+            "torch.isfinite(x).all() is False)."
+        )
+
+
+def _named_float_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    named = [(f"input {index}", t) for index, t in enumerate(batch.args)]
+    named += [(f"input {key!r}", t) for key, t in batch.kwargs.items() if t is not batch.target]
+    named.append(("the target", batch.target))
+    return [(name, t) for name, t in named if _is_float_tensor(t)]
+
+
+def _is_float_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def describe(batch: Batch) -> str:
+    """A batch's tensors as shapes and dtypes, e.g. "inputs (8, 5) float64, target (8,) int64"."""
+
+    def shown(tensor) -> str:
+        if not isinstance(tensor, torch.Tensor):
+            return type(tensor).__name__
+        return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+    inputs = [shown(t) for t in batch.args] + [f"{key}={shown(t)}" for key, t in batch.kwargs.items()]
+    target = f", target {shown(batch.target)}" if batch.target is not None and "labels" not in batch.kwargs else ""
+    return f"input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)}{target}"
+
+
+def _random_state_kept(device: torch.device):
+    """Every random generator a check may draw from (torch's on the CPU and on a CUDA device) left as it was."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda")
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()).rstrip(".")
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -6,6 +6,7 @@ loader's place cannot be saved. Models: a CNN with dropout, an LSTM with dropout
 
 import random
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +41,9 @@ def crash_at(call: int, loss_fn=nn.functional.cross_entropy):
 
 
 def disturb_generators(seed: int) -> None:
-    """A new process starts with other global generators: a resume must not depend on them."""
+    """A new process starts with other global generators: a resume must not depend on them. Each rank of a
+    distributed job gets its own (a resume must give each rank its own back)."""
+    seed += 1000 * gk.distributed.rank()
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
@@ -398,3 +401,31 @@ def test_the_command_line_saves_every_n_steps(tmp_path, capsys):
     assert "save_every=3 saves into checkpoint_dir: pass checkpoint_dir too" in capsys.readouterr().err
     assert cli.main([*arguments, "--checkpoint-dir", str(tmp_path)]) == 0
     assert read_checkpoint(tmp_path / "last.pt")["step"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# A distributed job: each rank's generators and running sums are its own
+
+
+def two_rank_resume(folder):
+    gk.distributed.setup()
+    make_model, make_data, options = FORMS["dataset shuffled by fit"]  # 48 examples a rank: 3 steps an epoch
+    options = COMMON | options | {"save_every": 2}
+    results = {}
+    # Killed after step 2 (resumes from the save at step 2, mid-epoch) and after step 3 (from the epoch's end).
+    for name, crashes in (("straight", ()), ("resumed", (3, 2))):
+        model, history = train(make_model, make_data, Path(folder) / name, crashes=crashes, **options)
+        results[name] = {"model": model.state_dict(), "history": history}
+    gk.distributed.cleanup()
+    return results
+
+
+def test_a_distributed_run_resumes_bit_equal_on_every_rank(tmp_path):
+    ranks = gk.distributed.launch(two_rank_resume, 2, str(tmp_path), backend="gloo", timeout=240)
+    assert_same_run(
+        tmp_path / "straight", tmp_path / "resumed", ranks[0]["straight"]["history"], ranks[0]["resumed"]["history"]
+    )
+    for rank in ranks:
+        assert_equal(rank["straight"]["model"], rank["resumed"]["model"], "model")
+    saved = read_checkpoint(tmp_path / "resumed" / "last.pt")["ranks"]
+    assert len(saved) == 2 and not torch.equal(saved[0]["generators"]["torch"], saved[1]["generators"]["torch"])

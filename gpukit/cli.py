@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", choices=PRECISIONS, default="fp32")
     train.add_argument("--device", default="auto", help="auto (the best present), cpu, cuda, cuda:N or mps")
     train.add_argument("--checkpoint-dir", help="save last.pt here after every epoch, and resume from it")
+    train.add_argument(
+        "--save-every", type=int, metavar="N", help="also save every N optimizer steps (needs --checkpoint-dir)"
+    )
     train.add_argument("--augment", action="store_true", help="random crop and flip on the device (images)")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights, the order and the augmentation")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
@@ -220,6 +223,7 @@ def train_main(args: argparse.Namespace) -> History:
         device=device,
         eval_data=test,
         checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
         progress=not args.no_progress,
         seed=args.seed,
     )

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def write_atomic(path: str | Path, write: bytes | Callable[[BinaryIO], None]) -> None:
@@ -16,7 +21,7 @@ def write_atomic(path: str | Path, write: bytes | Callable[[BinaryIO], None]) ->
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = _temporary(path)
     try:
         with open(temporary, "wb") as file:
             if callable(write):
@@ -28,6 +33,34 @@ def write_atomic(path: str | Path, write: bytes | Callable[[BinaryIO], None]) ->
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete the temporary files that write_atomic left beside `path` in a process killed mid-write.
+
+    Those of a process still running are kept (it may be writing now); on Windows, where a process cannot
+    be probed safely, only this process's own. Returns the paths deleted.
+    """
+    path = Path(path)
+    removed = []
+    for temporary in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = temporary.name[len(path.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
+            temporary.unlink(missing_ok=True)
+            removed.append(temporary)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def save_atomic(state, path: str | Path) -> None:

@@ -1,14 +1,22 @@
 """Saving a run and resuming it: `fit(checkpoint_dir=...)` (a checkpoint is saved training state), on a
-CNN and on a GPT, and the atomic writes behind it."""
+CNN and on a GPT; the checksum that refuses a damaged or truncated file; the atomic writes behind it, and what
+a save killed mid-write leaves. Exact resume for every data form and optimizer: tests/test_resume.py."""
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import gpukit as gk
+from gpukit.train.checkpoint import read_checkpoint, write_checkpoint
 from tests.helpers import tiny_gpt
+from tests.test_resume import COMMON, FORMS, assert_same_run, train
 
 
 class Crash(Exception):
@@ -45,20 +53,121 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(kind, small_data, corp
     history = gk.fit(resumed, data, **common, loss_fn=loss_fn, checkpoint_dir=tmp_path)  # picks up at epoch 2
     assert [row["epoch"] for row in history.epochs] == [1, 2]
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
-        torch.testing.assert_close(a, b)
+        assert torch.equal(a, b)  # bit-equal: the data order and every generator were saved
 
 
 def test_corrupt_or_mismatched_checkpoint_is_an_error(small_data, tmp_path, device):
     train, _ = small_data
     common = dict(progress=False, checkpoint_dir=tmp_path, device=device)
     gk.fit(gk.models.fast_cnn(4), train, epochs=1, batch_size=64, **common)
-    with pytest.raises(RuntimeError, match="cannot resume"):
+    with pytest.raises(gk.CheckpointError, match=r"cannot resume from .*another model's weights \(0.0.weight is"):
         gk.fit(gk.models.fast_cnn(8), train, epochs=2, batch_size=64, **common)
-    with pytest.raises(RuntimeError, match="resume with the same epochs"):
+    with pytest.raises(gk.CheckpointError, match=r"changes batch_size \(64 → 32\).*number of processes"):
         gk.fit(gk.models.fast_cnn(4), train, epochs=3, batch_size=32, **common)
     (tmp_path / "last.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match="cannot resume"):
+    with pytest.raises(gk.CheckpointError, match="cannot resume from .*last.pt: it is truncated, or no gpukit"):
         gk.fit(gk.models.fast_cnn(4), train, epochs=2, batch_size=64, **common)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity: a checksum checked before torch.load, and no temporary file left behind
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A small finished run's checkpoint: (its bytes, the model trained)."""
+    folder = tmp_path_factory.mktemp("saved")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3))
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(4)]
+    gk.fit(model, data, epochs=1, progress=False, device="cpu", checkpoint_dir=folder)
+    return (folder / "last.pt").read_bytes(), model
+
+
+def test_a_checkpoint_stays_readable_by_torch_load(saved_run, tmp_path):
+    whole, model = saved_run
+    (tmp_path / "last.pt").write_bytes(whole)
+    weights = torch.load(tmp_path / "last.pt", weights_only=True)["model"]  # without gpukit, as it is
+    assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(saved_run, tmp_path):
+    whole, model = saved_run
+    weight = model[0].weight.detach().numpy().tobytes()  # 64 × 6 float32, stored as they are
+    at = whole.index(weight) + 100
+    flipped = whole[:at] + bytes(b ^ 0xFF for b in whole[at : at + 8]) + whole[at + 8 :]
+    path = tmp_path / "last.pt"
+    path.write_bytes(flipped)
+    # Without the checksum, torch.load reads the damaged file without complaint, and other weights come out:
+    unchecked = torch.load(path, weights_only=True)["model"]["0.weight"]
+    assert not torch.equal(unchecked, model[0].weight)
+    with pytest.raises(gk.CheckpointError, match=f"cannot resume from {path}: it is damaged"):
+        read_checkpoint(path)
+    for fraction in (0.5, 0.9):
+        path.write_bytes(whole[: int(len(whole) * fraction)])
+        with pytest.raises(gk.CheckpointError, match=f"cannot resume from {path}: it is truncated"):
+            read_checkpoint(path)
+    path.write_bytes(whole[: whole.rindex(b"\ngpukit-checkpoint")])  # torch.save's bytes alone: an earlier gpukit's
+    with pytest.raises(gk.CheckpointError, match="written by an earlier gpukit"):
+        read_checkpoint(path)
+    path.unlink()
+    path.mkdir()  # unreadable as a file: named, not a bare OSError
+    with pytest.raises(gk.CheckpointError, match=f"cannot resume from {path}"):
+        read_checkpoint(path)
+
+
+def dead_process_id() -> int:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(finished.stdout)
+
+
+def test_temporary_files_of_killed_saves_are_removed_and_never_read(saved_run, tmp_path):
+    whole, _ = saved_run
+    (tmp_path / "last.pt").write_bytes(whole)
+    dead = tmp_path / f".last.pt.{dead_process_id()}.tmp"  # a save killed mid-write
+    alive = tmp_path / f".last.pt.{os.getppid()}.tmp"  # a process still running: it may be writing now
+    for leftover in (dead, alive):
+        leftover.write_bytes(b"half a checkpoint")
+    assert read_checkpoint(tmp_path / "last.pt")["step"] == 4
+    assert not dead.exists() and alive.exists()
+    dead.write_bytes(b"half a checkpoint")
+    write_checkpoint({"step": 5}, tmp_path / "last.pt")  # a save cleans up too
+    assert sorted(path.name for path in tmp_path.iterdir()) == [alive.name, "last.pt"]
+
+
+def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint(tmp_path):
+    """A real SIGKILL in the middle of a save (the temporary file written, not yet renamed), then a resume."""
+    script = (
+        "import os, signal, sys, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from tests.test_resume import COMMON, FORMS, train\n"
+        "saves, fsync = 0, os.fsync\n"
+        "def killed_on_the_third_save(descriptor):\n"
+        "    global saves\n"
+        "    saves += 1\n"
+        "    if saves == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    fsync(descriptor)\n"
+        "os.fsync = killed_on_the_third_save\n"
+        "model, data, options = FORMS['dataset shuffled by fit']\n"
+        "train(model, data, sys.argv[1], **COMMON, **options, save_every=2)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    environment = os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "resumed")], cwd=root, env=environment, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL
+    leftovers = list((tmp_path / "resumed").glob(".last.pt.*.tmp"))
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the save cut short, of checkpoint size
+    assert read_checkpoint(tmp_path / "resumed" / "last.pt")["step"] == 4  # the previous save, intact
+    torch.set_num_threads(1)  # as in the killed process (restored by conftest)
+    make_model, make_data, options = FORMS["dataset shuffled by fit"]
+    options = COMMON | options | {"save_every": 2}
+    _, straight = train(make_model, make_data, tmp_path / "straight", **options)
+    _, resumed = train(make_model, make_data, tmp_path / "resumed", crashes=(), **options)
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed", straight, resumed)
+    assert not list((tmp_path / "resumed").glob(".*.tmp"))
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -72,11 +72,12 @@ def length(loader) -> int | None:
         return None
 
 
-def batches(loader, device: torch.device) -> Iterable:
+def batches(loader, device: torch.device, iterator: Iterator | None = None) -> Iterable:
     """What the training loop iterates over: a host-side loader (DataLoader, ShardLoader) on a CUDA device
     copies each next batch on a side stream while the current step runs (gk.data.prefetch); any other
-    loader as it is (device-resident ones need no copy)."""
-    return prefetch(loader, device) if isinstance(loader, (DataLoader, ShardLoader)) else loader
+    loader as it is (device-resident ones need no copy). `iterator`: an epoch of `loader` already begun."""
+    source = loader if iterator is None else iterator
+    return prefetch(source, device) if isinstance(loader, (DataLoader, ShardLoader)) else source
 
 
 def batch_on_device(raw, device: torch.device, channels_last: bool) -> Batch:

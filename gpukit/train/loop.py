@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from ..runfile import run_environment
 from ..step import Batch, Loss, TrainStep
 from ..validation import check_int, check_number
 from ..widgets import Progress
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, warn_if_order_cannot_be_saved
 from .checks import NonFiniteLossError, check_arguments, check_eval_data, check_finite_inputs, check_first_batch
 from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
@@ -70,6 +71,7 @@ def fit(
     log_every: int = 10,
     max_steps: int | None = None,
     checkpoint_dir: str | Path | None = None,
+    save_every: int | None = None,
     log_dir: str | Path | None = None,
     seed: int = 0,
     monitor: bool | Monitor = False,
@@ -107,9 +109,14 @@ def fit(
         first batch, the loss and the metrics are tried before the first step (gpukit.train.checks).
     progress, live_plot, log_every: a progress bar (and live curves) in the notebook; a History
         row every log_every optimizer steps (one host-device synchronisation each).
-    checkpoint_dir: the model, optimizer, schedule, loss scaler and history are saved there after
-        every epoch (atomically), and a later call with the same folder resumes. A file, or a folder that
-        cannot be written, is refused before any work.
+    checkpoint_dir, save_every: the run is saved there (atomically, with a checksum) after every epoch,
+        and also every `save_every` optimizer steps (counted as log_every counts them); a later call with the
+        same folder resumes where the last save was, bit-equal to a run never stopped: the data's order and
+        place in the epoch and every random generator (torch, CUDA, NumPy, Python) are saved. A call that
+        changes the lr or another setting that shapes the run is refused, naming it. A finished run called
+        again with more epochs (or max_steps) goes on: weights and optimizer state carry on, and a new
+        schedule of this call's kind and lr spans the added steps (a warning says so). A file, or a folder
+        that cannot be written, is refused before any work.
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
     seed: the order of the data (the model's weights are yours: seed before building it).
@@ -157,8 +164,18 @@ def fit(
         eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
     )
+    settings = {
+        "lr": peak_lr,
+        "optimizer": optimizer if isinstance(optimizer, str) else type(built).__name__,
+        "schedule": schedule,
+        "warmup": warmup,
+        "clip": clip,
+        "precision": precision.name,
+        "label_smoothing": label_smoothing,
+        "seed": seed,
+    }
     del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
-    run.resume_from(checkpoint_dir)
+    run.resume_from(checkpoint_dir, save_every, settings, partial(make_schedule, schedule=schedule, warmup=warmup))
     run.start_reporting(log_dir, progress, live_plot, monitor)
     return _train(run, epochs)
 
@@ -268,6 +285,7 @@ class _Run:
     eval_loss: Loss
     history: History
     checkpoint: Checkpointer | None = None
+    save_every: int | None = None  # optimizer steps between saves within an epoch
     board: object = None  # the TensorBoard log (one that writes nothing when off)
     bar: Progress | None = None
     watcher: Monitor | None = None
@@ -285,19 +303,24 @@ class _Run:
     def done(self) -> bool:
         return self.total_steps is not None and self.step_index >= self.total_steps
 
-    def resume_from(self, checkpoint_dir) -> None:
+    def resume_from(self, checkpoint_dir, save_every: int | None, settings: dict, build_schedule) -> None:
         if checkpoint_dir is None:
+            if save_every is not None:
+                raise ValueError(f"save_every={save_every!r} saves into checkpoint_dir: pass checkpoint_dir too.")
             return
+        if save_every is not None:
+            check_int("save_every", save_every, note="(optimizer steps between saves)")
         plan = {
             "total_steps": self.total_steps,
             "steps_per_epoch": self.steps_per_epoch,
             "batch_size": getattr(self.loader, "batch_size", None),
             "accumulate": self.accumulate,
+            "world_size": distributed.world_size(),
         }
-        self.checkpoint = Checkpointer(checkpoint_dir, plan)
-        self.start_epoch, self.step_index = self.checkpoint.resume(
-            self.model, self.step.optimizer, self.scheduler, self.precision, self.history
-        )
+        self.save_every = save_every
+        self.checkpoint = Checkpointer(checkpoint_dir, plan, settings, save_every=save_every, device=self.device)
+        self.start_epoch, self.step_index = self.checkpoint.resume(self, build_schedule)
+        warn_if_order_cannot_be_saved(self.loader)
         distributed.check_same(self.start_epoch, "the epoch to resume from")
 
     def start_reporting(self, log_dir, progress: bool, live_plot: bool, monitor: bool | Monitor) -> None:
@@ -374,8 +397,12 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         run.watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-    tally, window, micro = Tally(run.device, run.loss, run.metrics), _Window(run.device), 0
-    for raw in batches(loader, run.device):
+    tally, window = Tally(run.device, run.loss, run.metrics), _Window(run.device)
+    if run.checkpoint is None:
+        epoch_batches, micro = batches(loader, run.device), 0
+    else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
+        epoch_batches, micro = run.checkpoint.start_epoch(run, tally, window)
+    for raw in epoch_batches:
         if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
             break  # leftover micro-batches would leave gradients behind for the next step
         batch = batch_on_device(raw, run.device, run.channels_last)
@@ -387,7 +414,9 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         if last:
             _optimizer_step(run, window, epoch, batch)
             if run.done():
-                break
+                break  # the last step is saved with its epoch's row, by _end_epoch
+            if run.save_every and run.step_index % run.save_every == 0:
+                run.checkpoint.save(run, epoch, micro, tally, window)
     if micro % run.accumulate:  # data without len(): drop the gradients of the last, incomplete step
         run.step.optimizer.zero_grad(set_to_none=True)
     if micro == 0:
@@ -462,11 +491,7 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     run.bar.epoch_done(run.history)
     run.phase = "loading data"
     if run.checkpoint is not None:
-        if distributed.is_main():  # one writer: every rank holds the same state
-            run.checkpoint.save(
-                epoch + 1, run.step_index, run.model, run.step.optimizer, run.scheduler, run.precision, run.history
-            )
-        distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
+        run.checkpoint.save(run, epoch + 1)
 
 
 class _Window:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .. import distributed
-from ..step import Batch, Loss
+from ..step import Batch, Loss, unpack_outputs
 
 RESERVED = ("loss", "accuracy", "samples", "tokens")
 
@@ -60,7 +60,8 @@ class Tally:
 
     The loss and each metric are averaged over samples, weighted by batch size; accuracy is
     correct over scored targets (token accuracy for sequences, targets equal to -100 not
-    scored). Whether accuracy applies is decided at the first batch (Loss.tracks_accuracy).
+    scored). Whether accuracy applies is decided at the first batch (Loss.tracks_accuracy). Metrics
+    get the outputs as the model returned them (no gradients are recorded).
     """
 
     def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable]):
@@ -71,13 +72,15 @@ class Tally:
         self.sequences = False  # whether tokens were counted (sequence data)
         self.sums = RunningSums(device, ["loss", "correct", "scored", "tokens", *metrics])
 
-    def add(self, batch: Batch, loss: torch.Tensor, prediction, model_loss=None) -> None:
+    def add(self, batch: Batch, loss: torch.Tensor, outputs) -> None:
+        """One batch: its loss, and what the model returned, as it returned it (metrics get that)."""
         if self.accuracy is None:
-            self.accuracy = prediction is not None and self.loss.tracks_accuracy(batch, model_loss)
+            self.accuracy = self.loss.tracks_accuracy(batch, outputs)
         size = batch.size
         self.samples += size
         self.sums.add("loss", loss.detach() * size)
         if self.accuracy:
+            prediction, _ = unpack_outputs(outputs)
             correct, scored = self.loss.correct(prediction.detach(), batch.target)
             self.sums.add("correct", correct)
             self.sums.add("scored", scored)
@@ -86,9 +89,8 @@ class Tally:
             self.sums.add("tokens", batch.count_tokens())
         if self.metrics:
             with torch.no_grad():
-                output = prediction.detach() if prediction is not None else None
                 for name, fn in self.metrics.items():
-                    self.sums.add(name, fn(output, batch.target) * size)
+                    self.sums.add(name, fn(outputs, batch.target) * size)
 
     def over_ranks(self) -> None:
         """Add up every rank's sums and samples (one all-reduce)."""

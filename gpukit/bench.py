@@ -16,13 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .env import resolve_device, synchronize
 from .hardware.gpus import find_gpu
 from .precision import PRECISIONS, matmul_format
-from .step import Loss, forward_backward
+from .step import Loss, forward_backward, split_batch
 
 __all__ = [
     "Timing",
@@ -183,14 +185,80 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
     torch.utils.flop_counter from the operators that run (matmuls, convolutions and attention
     dominate; elementwise ops are not counted). Backward costs about twice the forward. The
     optimizer step is not included. The count runs on a copy of the model on the meta device:
-    no arithmetic is done, and the model (its gradients, BatchNorm statistics) is left untouched.
+    no arithmetic is done with the weights, and the model (its gradients, BatchNorm statistics) is
+    left untouched. What is computed from the batch alone runs on its values (a copy), so that a
+    model may check them: a Hugging Face model's `torch.all(attention_mask == 1)` works.
     """
     meta_model = copy.deepcopy(model).to("meta")
-    meta_batch = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch)
+    real = batch if isinstance(batch, torch.Tensor) else split_batch(batch)
+    meta = real.to("meta") if isinstance(real, torch.Tensor) else real.map(lambda tensor: tensor.to("meta"))
+    pairs = [(meta, real)] if isinstance(real, torch.Tensor) else zip(meta.tensors(), real.tensors())
     counter = FlopCounterMode(display=False)
-    with counter:
-        forward_backward(meta_model, meta_batch, Loss(loss_fn, check_targets=False), backward=backward)
+    with counter, _BatchValues(pairs):
+        forward_backward(meta_model, meta, Loss(loss_fn, check_targets=False), backward=backward)
     return counter.get_total_flops()
+
+
+class _BatchValues(TorchDispatchMode):
+    """The batch's values beside its meta copy, so that a model may read them while its FLOPs are counted.
+
+    A Hugging Face model checks its attention mask (`torch.all(mask == 1)`, `pad_token_id in input_ids`),
+    which a meta tensor cannot answer. An operator whose meta inputs all have values (the batch's tensors
+    and what is computed from them and from tensors off the meta device alone, never from the weights) runs
+    on those values too, outside the counter: cheap, mask-sized work. A number read from a meta tensor is
+    then read from its values.
+    """
+
+    def __init__(self, pairs):
+        super().__init__()
+        self.values = WeakTensorKeyDictionary()
+        for meta, real in pairs:
+            if real.device.type != "meta":
+                self.values[meta] = real.detach().clone()  # the model may write to them: never to your batch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        metas = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.device.type == "meta"]
+        if not metas or not all(tensor in self.values for tensor in metas):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                raise ValueError(
+                    "the model reads a number (.item(), `if tensor:`) from a tensor computed from its weights or made "
+                    "inside it, whose values flops_per_step does not have: it counts on the meta device, keeping the "
+                    "values of the batch and of what is computed from the batch alone. Count a real step with "
+                    "torch.utils.flop_counter.FlopCounterMode instead."
+                )
+            self._forget_written(func, args, kwargs)
+            return func(*args, **kwargs)
+        real_args, real_kwargs = tree_map(
+            lambda x: self.values[x] if isinstance(x, torch.Tensor) and x.device.type == "meta" else x, (args, kwargs)
+        )
+        with _disable_current_modes():  # not counted: the model's FLOPs are the meta run's
+            real = func(*real_args, **real_kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError):  # a number (.item()), or a shape that depends on values
+            if not any(isinstance(value, torch.Tensor) for value in tree_leaves(real)):
+                return real
+            out = tree_map(_meta_like, real)
+        for meta, value in zip(tree_leaves(out), tree_leaves(real)):
+            if isinstance(meta, torch.Tensor) and isinstance(value, torch.Tensor):
+                self.values[meta] = value
+        return out
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """An operator that writes to a tensor without values leaves the tensor's old values wrong: drop them."""
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written = args[index] if index < len(args) else kwargs.get(argument.name)
+                for tensor in tree_leaves(written):
+                    if isinstance(tensor, torch.Tensor):
+                        self.values.pop(tensor, None)
+
+
+def _meta_like(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
 def peak_tflops(device_name: str, precision: str = "bf16-mixed") -> float | None:

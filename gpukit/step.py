@@ -12,13 +12,26 @@ A *batch* is what a loader yields. Accepted forms:
     {"name": tensor, …}    a dict (the Hugging Face convention) → model(**batch); its "labels"
                            entry, if any, is the target
 
-The model may return a tensor (the prediction), a tuple or list (its first element is the
-prediction), or a dict or object with `loss` and/or `logits` (a Hugging Face ModelOutput).
+The model may return anything: a tensor, a tuple or list (a VAE's (recon, mu, logvar)), a dict
+(torchvision's segmentation models return {"out": …, "aux": …}) or an object with attributes (a
+Hugging Face ModelOutput). Its *prediction*, found by `unpack_outputs` (the one place that looks
+inside outputs), is the tensor itself; a dict's or object's `logits`, else its `out`; or the first
+tensor of a tuple or list. Its own loss is a dict's or object's `loss`.
 
-The loss is, in this order: `loss_fn(prediction, target)` when a loss_fn is given (a function,
-"cross_entropy" or "mse"); the model's own `loss`; cross-entropy over the last dimension when the
-target is an integer tensor ((B, C) logits with (B,) targets, (B, T, V) with (B, T), entries equal
-to -100 ignored). A floating-point target needs an explicit loss_fn.
+The loss is, in this order:
+- `loss_fn(outputs, target)` with your own function: it receives the outputs exactly as the model
+  returned them (the whole tuple or dict), and the target (None for a dict batch without "labels");
+- a built-in loss ("cross_entropy", "mse", or one of PyTorch's: a torch.nn.functional loss such as
+  F.cross_entropy, an nn.Module loss such as nn.MSELoss()) of the prediction and the target;
+- with no loss_fn, the model's own `loss`; else cross-entropy of the prediction when the target is
+  an integer tensor ((B, C) with (B,), (B, T, V) with (B, T), (B, C, H, W) with (B, H, W); entries
+  equal to -100 ignored). A floating-point target needs an explicit loss_fn.
+
+Accuracy is reported only where it means something: an integer target, and a floating-point
+prediction that is the target's shape plus one class dimension of at least two classes (last, or
+second as in (B, C, H, W)), with every target a class (or -100). Not with the model's own loss over
+sequences (a causal LM shifts its labels inside), nor from a tuple's first tensor when your own
+loss_fn gets the tuple (a VAE's reconstruction is no class scores), and never from other parts.
 """
 
 from __future__ import annotations
@@ -189,24 +202,30 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def unpack_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(prediction, the model's own loss) from what a model returned (see the module docstring)."""
+    """(prediction, the model's own loss) in what a model returned, each None where there is none
+    (see the module docstring)."""
     if isinstance(outputs, torch.Tensor):
         return outputs, None
-    if isinstance(outputs, Mapping):  # a dict, or a Hugging Face ModelOutput (an OrderedDict)
-        return outputs.get("logits"), outputs.get("loss")
     if isinstance(outputs, (tuple, list)):
-        if not outputs or not isinstance(outputs[0], torch.Tensor):
-            raise TypeError(
-                f"the model returned {_describe(outputs)}; a tuple's first element must be the prediction tensor."
-            )
-        return outputs[0], None
-    logits, loss = getattr(outputs, "logits", None), getattr(outputs, "loss", None)
-    if logits is None and loss is None:
-        raise TypeError(
-            f"the model returned a {type(outputs).__name__}; return a tensor, a tuple whose first element is the "
-            "prediction, or a dict or object with 'logits' and/or 'loss'."
-        )
-    return logits, loss
+        return next((item for item in outputs if isinstance(item, torch.Tensor)), None), None
+    if isinstance(outputs, Mapping):  # a dict, or a Hugging Face ModelOutput (an OrderedDict)
+        found = outputs.get("logits"), outputs.get("out"), outputs.get("loss")
+    else:
+        found = (getattr(outputs, name, None) for name in ("logits", "out", "loss"))
+    logits, out, loss = (value if isinstance(value, torch.Tensor) else None for value in found)
+    return (logits if logits is not None else out), loss
+
+
+def class_dimension(prediction: torch.Tensor, target: torch.Tensor) -> int | None:
+    """The dimension of `prediction` that holds the classes of `target`: the last ((B, C) for (B,),
+    (B, T, V) for (B, T)) or the second ((B, C, H, W) for (B, H, W)); None if neither fits."""
+    if prediction.dim() != target.dim() + 1:
+        return None
+    if prediction.shape[:-1] == target.shape:
+        return prediction.dim() - 1
+    if prediction.shape[:1] + prediction.shape[2:] == target.shape:
+        return 1
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,9 +263,7 @@ def _check_classification(prediction: torch.Tensor, target: torch.Tensor) -> Non
             f"cross-entropy needs integer class targets, got {target.dtype}; for regression pass loss_fn='mse' "
             "(or your own function)."
         )
-    last = prediction.shape[:-1] == target.shape
-    first = prediction.dim() >= 2 and prediction.shape[:1] + prediction.shape[2:] == target.shape
-    if not (last or first):
+    if class_dimension(prediction, target) is None:
         raise ValueError(
             f"cross-entropy cannot match outputs of shape {tuple(prediction.shape)} with targets of shape "
             f"{tuple(target.shape)}: expected the outputs to be the targets' shape plus a class dimension at the "
@@ -271,6 +288,15 @@ def _not_a_scalar(value) -> str:
     return f"a {type(value).__name__}, not a tensor"
 
 
+def _takes_a_tensor(loss_fn) -> bool:
+    """PyTorch's losses (an nn loss module, a torch.nn.functional function) and the kit's own take the
+    prediction tensor; any other function is the user's, and gets the outputs as the model returned them."""
+    return isinstance(loss_fn, nn.modules.loss._Loss) or getattr(loss_fn, "__module__", None) in (
+        "torch.nn.functional",
+        __name__,
+    )
+
+
 # Losses that compare outputs and targets element by element: a shape mismatch is always a bug.
 _ELEMENTWISE_FUNCTIONS = (
     F.mse_loss,
@@ -286,8 +312,9 @@ _ELEMENTWISE_MODULES = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn
 class Loss:
     """What a step minimises, resolved once from `loss_fn` (see the module docstring).
 
-    `tracks_accuracy(batch, model_loss)` says whether accuracy means something for a batch:
-    integer targets scored with cross-entropy that this object computes.
+    `takes_outputs`: the loss_fn is your own function, called with the outputs as the model returned
+    them; otherwise losses are computed from the prediction found in them. `tracks_accuracy(batch,
+    outputs)` says whether accuracy means something for a pass over the data (see the module docstring).
     """
 
     def __init__(
@@ -300,6 +327,7 @@ class Loss:
         # Class targets are checked against the number of outputs once, on the first batch (one
         # synchronisation): on a GPU an out-of-range target is a device-side assert that ends the process.
         self.check_targets = check_targets
+        self.takes_outputs = False
         if loss_fn is None or loss_fn == "cross_entropy" or loss_fn is F.cross_entropy:
             self.name, self.fn, self.explicit = "cross_entropy", None, loss_fn is not None
         elif loss_fn == "mse":
@@ -310,6 +338,7 @@ class Loss:
             )
         elif callable(loss_fn):
             self.name, self.fn, self.explicit = getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn, True
+            self.takes_outputs = not _takes_a_tensor(loss_fn)
             if isinstance(loss_fn, nn.CrossEntropyLoss):
                 self.name, self.ignore_index = "cross_entropy", loss_fn.ignore_index
         else:
@@ -327,32 +356,15 @@ class Loss:
     def uses_model_loss(self, model_loss) -> bool:
         return model_loss is not None and not self.explicit
 
-    def __call__(self, prediction, target, model_loss=None) -> torch.Tensor:
-        """The scalar loss of one batch (float32)."""
+    def __call__(self, outputs, target) -> torch.Tensor:
+        """The scalar loss (float32) of one batch from what the model returned and the batch's target."""
+        prediction, model_loss = unpack_outputs(outputs)
         if self.uses_model_loss(model_loss):
             loss = model_loss
+        elif self.takes_outputs:
+            loss = self.fn(outputs, target)
         else:
-            if prediction is None:
-                raise ValueError(
-                    "the model returned no prediction (no tensor and no 'logits') and no 'loss'; return logits, or "
-                    "compute the loss in the model and return it as 'loss'."
-                )
-            if target is None:
-                raise ValueError(
-                    "the batch has no target and the model returned no 'loss': put the target in the batch "
-                    "((inputs, target), or a 'labels' entry of a dict batch), or return 'loss' from the model."
-                )
-            if self.fn is None:
-                _check_classification(prediction, target)
-                self._check_range(prediction, target)
-                loss = cross_entropy(prediction, target, self.label_smoothing)
-            else:
-                if self.elementwise:
-                    _check_same_shape(prediction, target, self.name)
-                if self.name == "cross_entropy":  # an nn.CrossEntropyLoss: check the shapes it is given
-                    _check_classification(prediction, target)
-                    self._check_range(prediction, target)
-                loss = self.fn(prediction, target)
+            loss = self._of_prediction(prediction, target, outputs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             source = "the model's own 'loss'" if self.uses_model_loss(model_loss) else f"loss_fn {self.name!r}"
             raise ValueError(
@@ -360,6 +372,31 @@ class Loss:
                 "or use a loss function with reduction='mean'."
             )
         return loss.float()
+
+    def _of_prediction(self, prediction, target, outputs) -> torch.Tensor:
+        """A built-in loss (cross-entropy, mean squared error, PyTorch's) of the prediction and target."""
+        if prediction is None:
+            raise ValueError(
+                f"the model returned {_describe(outputs)}: no prediction (a tensor, 'logits' or 'out') and no 'loss'. "
+                "Pass loss_fn=your function of (outputs, target), which gets the outputs as returned, e.g. "
+                "loss_fn=lambda outputs, target: F.cross_entropy(outputs['name'], target); or return 'loss'."
+            )
+        if target is None:
+            raise ValueError(
+                "the batch has no target and the model returned no 'loss': put the target in the batch "
+                "((inputs, target), or a 'labels' entry of a dict batch), return 'loss' from the model, or pass "
+                "loss_fn=your function of (outputs, target), which may ignore the target (None)."
+            )
+        if self.fn is None:
+            _check_classification(prediction, target)
+            self._check_range(prediction, target)
+            return cross_entropy(prediction, target, self.label_smoothing)
+        if self.elementwise:
+            _check_same_shape(prediction, target, self.name)
+        if self.name == "cross_entropy":  # an nn.CrossEntropyLoss: check the shapes it is given
+            _check_classification(prediction, target)
+            self._check_range(prediction, target)
+        return self.fn(prediction, target)
 
     def _check_range(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
         if not self.check_targets:
@@ -377,15 +414,30 @@ class Loss:
                 f"{self.ignore_index} are ignored)."
             )
 
-    def tracks_accuracy(self, batch: Batch, model_loss=None) -> bool:
+    def tracks_accuracy(self, batch: Batch, outputs) -> bool:
+        """Whether accuracy means something for these outputs and target (see the module docstring).
+
+        Decided once per pass over the data; where no built-in cross-entropy has checked the targets
+        already, it reads whether they all are classes of the prediction: one synchronisation.
+        """
+        prediction, model_loss = unpack_outputs(outputs)
         target = batch.target
-        return (
-            self.name == "cross_entropy"
-            and not self.uses_model_loss(model_loss)
-            and target is not None
-            and not target.is_floating_point()
-            and not target.is_complex()
-        )
+        if prediction is None or target is None or not prediction.is_floating_point():
+            return False
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            return False
+        dimension = class_dimension(prediction, target)
+        if dimension is None or prediction.shape[dimension] < 2:
+            return False
+        if self.uses_model_loss(model_loss):
+            if target.dim() > 1:
+                return False  # a model's own loss over sequences may shift its labels: position t need not score t
+        elif self.takes_outputs and isinstance(outputs, (tuple, list)):
+            return False  # your loss may use a tuple's first tensor otherwise than as class scores (a VAE's recon)
+        elif self.name == "cross_entropy":
+            return True  # the kit's cross-entropy (or PyTorch's) scores it, and has checked the targets
+        classes = prediction.shape[dimension]
+        return bool(((target == self.ignore_index) | ((target >= 0) & (target < classes))).all())
 
     def correct(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(correct, scored) predictions as 0-d tensors on the device: nothing waits for the GPU.
@@ -396,7 +448,7 @@ class Loss:
         cheaper on a CPU, where argmax over the last dimension is slow (1.6 ms against 0.6 ms for
         (32, 64, 256) logits, measured), which matters when it runs on every training batch.
         """
-        if prediction.shape[:-1] != target.shape:
+        if class_dimension(prediction, target) != prediction.dim() - 1:
             prediction = prediction.movedim(1, -1)  # classes in dimension 1 ((B, C, H, W)): move them last
         scored = target != self.ignore_index
         index = torch.where(scored, target, 0).unsqueeze(-1)  # ignored targets (-100) point at class 0
@@ -447,12 +499,13 @@ class TrainStep:
         self.clip = clip
         self.set_to_none = set_to_none
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(loss, prediction, the model's own loss or None) of one batch, under autocast."""
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+        """(loss, the outputs as the model returned them, the model's own loss or None) of one batch,
+        under autocast."""
         with self.precision.autocast():
-            prediction, model_loss = unpack_outputs(batch.call(self.model))
-            loss = self.loss(prediction, batch.target, model_loss)
-        return loss, prediction, model_loss
+            outputs = batch.call(self.model)
+            loss = self.loss(outputs, batch.target)
+        return loss, outputs, unpack_outputs(outputs)[1]
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
@@ -475,12 +528,17 @@ def forward_backward(model: nn.Module, batch, loss: Loss | None = None, *, backw
     `gk.bench.flops_per_step` counts. A bare tensor is the inputs alone: backward then starts
     from the sum of the outputs."""
     if isinstance(batch, torch.Tensor):
-        prediction, model_loss = unpack_outputs(model(batch))
+        outputs = model(batch)
+        prediction, model_loss = unpack_outputs(outputs)
+        if model_loss is None and prediction is None:
+            raise ValueError(
+                f"the model returned {_describe(outputs)}, with no prediction to start backward from; pass a whole "
+                "batch (inputs, target) and a loss_fn."
+            )
         value = model_loss if model_loss is not None else prediction.float().sum()
     else:
         batch = split_batch(batch)
-        prediction, model_loss = unpack_outputs(batch.call(model))
-        value = (loss or Loss())(prediction, batch.target, model_loss)
+        value = (loss or Loss())(batch.call(model), batch.target)
     if backward:
         value.backward()
 

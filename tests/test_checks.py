@@ -106,7 +106,8 @@ def _fit(kind: Kind, model=None, *, batches=4, **options):
 
 
 def per_example(outputs, target):
-    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1), reduction="none")
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs  # a user's loss_fn gets outputs as returned
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
 
 
 # (case, fit's arguments for a kind, error, words). A function of the kind where the data depends on the model.
@@ -352,8 +353,11 @@ def _never_measure(*args, **kwargs):
 def test_plan_does_not_measure_what_does_not_fit(monkeypatch, capsys, kind):
     monkeypatch.setattr(planning, "_free_bytes", lambda device: 2**20)  # 1 MiB free: nothing fits
     monkeypatch.setattr(planning, "_measure_here", _never_measure)
-    model, batch = (gk.models.fast_cnn(4), (torch.randn(4, 3, 32, 32), _classes(4))) if kind == "cnn" else (
-        tiny_gpt(), (tokens(4, 32), tokens(4, 32)))  # fmt: skip
+    model, batch = (
+        (gk.models.fast_cnn(4), (torch.randn(4, 3, 32, 32), _classes(4)))
+        if kind == "cnn"
+        else (tiny_gpt(), (tokens(4, 32), tokens(4, 32)))
+    )
     result = gk.hardware.plan(model, batch, gpus=["H100 SXM"], device=DEVICE)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plan: measuring the MFU here would need about")

@@ -222,12 +222,12 @@ def test_dict_batches_use_the_models_own_loss(corpus, device):
 def test_an_explicit_loss_fn_wins_over_the_models_loss(corpus, device):
     calls = []
 
-    def my_loss(logits, labels):
-        calls.append(tuple(logits.shape))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    def my_loss(outputs, labels):  # gets the ModelOutput as the model returned it, as Hugging Face's Trainer does
+        calls.append((type(outputs).__name__, tuple(outputs.logits.shape)))
+        return F.cross_entropy(outputs.logits.reshape(-1, outputs.logits.shape[-1]), labels.reshape(-1))
 
     gk.fit(CausalLM(), dict_batches(corpus[0], count=2), loss_fn=my_loss, progress=False, device=device)
-    assert calls == [(8, 16, 256), (8, 16, 256)]
+    assert calls == [("ModelOutput", (8, 16, 256))] * 2
 
 
 class TwoInputs(nn.Module):
@@ -324,7 +324,7 @@ def test_your_loss_fn_without_a_reduction_argument_works_with_held_out_data(smal
         return F.cross_entropy(logits, labels)
 
     history = gk.fit(mlp(), train, batch_size=64, loss_fn=my_loss, eval_data=test, progress=False, device=device)
-    assert history.final_eval_loss > 0 and "eval_accuracy" not in history.epochs[-1]
+    assert history.final_eval_loss > 0 and 0 <= history.epochs[-1]["eval_accuracy"] <= 1  # (B, C) logits, classes
 
 
 def test_an_optimizer_you_built_keeps_its_learning_rate(small_data, device):
@@ -646,7 +646,8 @@ def test_labels_outside_the_models_classes(small_data, device):
         ),
         ("cross-entropy shapes", ValueError, r"cannot match outputs of shape \(8, 1\) with targets of shape \(8, 3\)"),
         ("a metric that fails", ZeroDivisionError, r"division by zero"),
-        ("model output of an unknown kind", TypeError, r"return a tensor, a tuple whose first element"),
+        ("model output of an unknown kind", ValueError, r"returned str: no prediction .* Pass loss_fn=your function"),
+        ("dict output without logits", ValueError, r"returned \{'mean': tensor\(8, 1\)\}: no prediction .* loss_fn="),
     ],
 )
 def test_bad_batches_and_losses_say_what_to_do(case, error, message, device):
@@ -669,6 +670,8 @@ def test_bad_batches_and_losses_say_what_to_do(case, error, message, device):
         options = {"loss_fn": "mse", "metrics": {"ratio": lambda outputs, target: 1 / 0}}
     elif case == "model output of an unknown kind":
         model.forward = lambda features: "not a tensor"
+    elif case == "dict output without logits":
+        model.forward = lambda features, forward=model.forward: {"mean": forward(features)}
     with pytest.raises(error, match=message):
         gk.fit(model, data, max_steps=2, progress=False, device=device, **options)
 

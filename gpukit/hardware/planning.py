@@ -391,8 +391,9 @@ def plan(
     )
 
 
-def _row(gpu: GPU, usable: int, needed: int, largest: int, price, precision: str, *, flops, traffic, kernels, mfu,
-         steps) -> PlanRow:  # fmt: skip
+def _row(
+    gpu: GPU, usable: int, needed: int, largest: int, price, precision: str, *, flops, traffic, kernels, mfu, steps
+) -> PlanRow:
     """One GPU's row: does the step fit, the roofline step time and what bounds it, time and cost of the run."""
     peak = gpu.peak_tflops(precision)
     fits = needed <= usable

@@ -13,6 +13,12 @@ kit CNN's conv groups, a transformer's layers. Choose them with one of
     segments=m     about m regions of consecutive blocks ("sqrt": about sqrt(n) of n blocks);
     modules=[...]  the named modules (names from model.named_modules(), or module classes).
 
+A model without blocks made of an nn.Sequential of plain layers (an MLP: Linear, ReLU, ...) is split
+as torch.utils.checkpoint.checkpoint_sequential splits it: its layers in about sqrt(n) segments (or
+`segments=m`, or `every=k` layers each), every segment but the last a region: backward needs the last
+segment's activations at once, so recomputing them would save nothing. With `batch=`, one training step
+is measured before and after (gk.memory.breakdown), and the plan says (and warns) if the peak did not drop.
+
 Module names, parameters and the state_dict do not change: the modules' `forward` is
 replaced on the instance, and `remove_activation_checkpointing(model)` puts it back. BatchNorm running
 statistics are updated once per step, as without checkpointing: the recomputation restores
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +39,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from ..deprecation import renamed
+from ..report import format_bytes
+from .measuring import breakdown
 
 _PLAN = "_gpukit_checkpointing"  # the attribute that holds a model's ActivationCheckpointingPlan
 
@@ -105,20 +114,28 @@ class _Sequence:
 
 @dataclass
 class ActivationCheckpointingPlan:
-    """What apply_activation_checkpointing did: the model's blocks and the regions made of them."""
+    """What apply_activation_checkpointing did: the model's blocks (or an MLP's layers) and the regions made of them."""
 
     model_name: str
     blocks: list[str]
     regions: list[list[str]]
     notes: list[str] = field(default_factory=list)
     patched: list[tuple[nn.Module, object]] = field(default_factory=list, repr=False)  # (module, previous forward)
+    peak_before: int | None = None  # bytes: one training step's measured peak without and with (given a batch)
+    peak_after: int | None = None
+    found: str = "blocks"  # what `blocks` names: "blocks", or "layers" of an nn.Sequential without blocks
 
     def __str__(self) -> str:
         shown = ", ".join("+".join(region) for region in self.regions[:8]) + (", …" if len(self.regions) > 8 else "")
         text = (
             f"{self.model_name}: {sum(map(len, self.regions))} modules checkpointed in {len(self.regions)} regions "
-            f"({len(self.blocks)} blocks found): {shown}"
+            f"({len(self.blocks)} {self.found} found): {shown}"
         )
+        if self.peak_before is not None:
+            text += (
+                f"\nmeasured peak of a training step: {format_bytes(self.peak_before)} without, "
+                f"{format_bytes(self.peak_after)} with"
+            )
         return "\n".join([text, *self.notes])
 
 
@@ -142,6 +159,15 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
 
     visit(model, "")
     return blocks
+
+
+def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name, layer, parent) for each child of the model's outermost nn.Sequential (of two children or
+    more, run by nn.Sequential's own forward): the layers of an MLP, which has no blocks."""
+    for name, module in model.named_modules():
+        if _runs_children_in_order(module) and len(module) >= 2:
+            return [(f"{name}.{child}" if name else child, layer, module) for child, layer in module.named_children()]
+    return []
 
 
 def _runs_children_in_order(parent: nn.Module) -> bool:
@@ -203,12 +229,16 @@ def apply_activation_checkpointing(
     every: int | None = None,
     segments: int | str | None = None,
     modules: Sequence[str | type] | None = None,
+    batch=None,
 ) -> ActivationCheckpointingPlan:
     """Checkpoint regions of `model` in place and return the plan (print it to see the regions).
 
     Give at most one of `every` (a region every k blocks; default 1), `segments` (about m
     regions, or "sqrt"), `modules` (names or classes). See the module docstring for what a
-    block is; `find_blocks(model)` lists them. Undo with remove_activation_checkpointing(model).
+    block is; `find_blocks(model)` lists them, and an MLP's nn.Sequential of layers is split into
+    segments. `batch`, an example batch of any form fit takes: one training step is measured
+    without and with (on a copy), and a peak that did not drop is said in the plan and warned
+    about. Undo with remove_activation_checkpointing(model).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
@@ -219,31 +249,11 @@ def apply_activation_checkpointing(
             "this model is already checkpointed; call gk.memory.remove_activation_checkpointing(model) first."
         )
     notes: list[str] = []
-    if modules is not None:
-        groups = [[chosen] for chosen in _named_modules(model, modules)]
-        blocks = [name for name, *_ in find_blocks(model)]
-    else:
-        found = find_blocks(model)
-        if not found:
-            raise ValueError(
-                f"found no blocks to checkpoint in {type(model).__name__}: it has no nn.Sequential or nn.ModuleList "
-                "of modules with parameters and submodules. Pass modules=[...] with the names (see "
-                "model.named_modules()) of the parts to checkpoint."
-            )
-        if segments is not None:
-            if segments == "sqrt":
-                segments = max(round(math.sqrt(len(found))), 1)
-            if not isinstance(segments, int) or segments < 1:
-                raise ValueError(f"segments must be a positive integer or 'sqrt', got {segments!r}.")
-            every = math.ceil(len(found) / segments)
-        every = 1 if every is None else every
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive integer (blocks per region), got {every!r}.")
-        groups = _group_blocks(found, every, notes)
-        blocks = [name for name, *_ in found]
+    groups, blocks, found = _choose_regions(model, every, segments, modules, notes)
     plan = ActivationCheckpointingPlan(
-        type(model).__name__, blocks, [[name for name, *_ in group] for group in groups], notes
+        type(model).__name__, blocks, [[name for name, *_ in group] for group in groups], notes, found=found
     )
+    before = _measured_peak(model, batch)
     containers: dict[int, tuple[nn.Sequential, dict[int, _Region]]] = {}
     for group in groups:
         names, members = [name for name, *_ in group], [module for _, module, _ in group]
@@ -260,7 +270,73 @@ def apply_activation_checkpointing(
         plan.patched.append((parent, parent.__dict__.get("forward")))
         parent.forward = _Sequence(parent, starts)
     setattr(model, _PLAN, plan)
+    if before is not None:
+        _compare_peaks(plan, before, _measured_peak(model, batch))
     return plan
+
+
+def _choose_regions(model, every, segments, modules, notes: list[str]) -> tuple[list[list[tuple]], list[str], str]:
+    """The regions (each a list of (name, module, parent)), the names of the blocks (or layers) they were
+    chosen from, and which of the two those are."""
+    if modules is not None:
+        groups = [[chosen] for chosen in _named_modules(model, modules)]
+        return groups, [name for name, *_ in find_blocks(model)], "blocks"
+    found, layers = find_blocks(model), False
+    if not found:
+        found, layers = sequential_layers(model), True
+        if not found:
+            raise ValueError(
+                f"found no blocks to checkpoint in {type(model).__name__}: it has no nn.Sequential or nn.ModuleList "
+                "of modules with parameters and submodules, and no nn.Sequential of layers to split. Pass "
+                "modules=[...] with the names (see model.named_modules()) of the parts to checkpoint."
+            )
+        if every is None and segments is None:
+            segments = "sqrt"
+    if segments is not None:
+        if segments == "sqrt":
+            segments = max(round(math.sqrt(len(found))), 2 if layers else 1)
+        if not isinstance(segments, int) or segments < 1:
+            raise ValueError(f"segments must be a positive integer or 'sqrt', got {segments!r}.")
+        every = math.ceil(len(found) / segments)
+    every = 1 if every is None else every
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive integer (blocks per region), got {every!r}.")
+    groups = _group_blocks(found, every, notes)
+    if layers and len(groups) < 2:
+        raise ValueError(
+            f"{len(found)} layers in one segment leave nothing to checkpoint (the last segment runs without it); "
+            "use segments=2 or more, every=k with k below the number of layers, or the default ('sqrt')."
+        )
+    if layers:
+        notes.append(
+            f"{type(found[0][2]).__name__} of {len(found)} layers without blocks: split into {len(groups)} segments "
+            "as torch.utils.checkpoint.checkpoint_sequential does; the last runs without checkpointing (backward "
+            "needs its activations at once)."
+        )
+        groups = groups[:-1]
+    return groups, [name for name, *_ in found], "layers" if layers else "blocks"
+
+
+def _measured_peak(model: nn.Module, batch) -> int | None:
+    """One training step's measured peak in bytes (gk.memory.breakdown, on a copy), or None without a batch."""
+    if batch is None:
+        return None
+    parameter = next(model.parameters(), None)
+    return breakdown(model, batch, device=parameter.device if parameter is not None else "cpu").total
+
+
+def _compare_peaks(plan: ActivationCheckpointingPlan, before: int, after: int) -> None:
+    plan.peak_before, plan.peak_after = before, after
+    if after < before:
+        return
+    note = (
+        f"activation checkpointing did not lower the measured peak of a training step ({format_bytes(before)} "
+        f"without, {format_bytes(after)} with): the peak is not in saved activations here (it may be the "
+        "weights, gradients and optimizer state, or a batch too small to matter). Undo it with "
+        "gk.memory.remove_activation_checkpointing(model), or try a larger batch or other regions."
+    )
+    plan.notes.append(note)
+    warnings.warn(note, stacklevel=3)
 
 
 def remove_activation_checkpointing(model: nn.Module) -> None:

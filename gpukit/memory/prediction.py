@@ -14,6 +14,7 @@ from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
 from ..validation import is_int
 from .counting import CUDA_BLOCK, LiveTensors
+from .fused_workspaces import FusedWorkspaces
 from .measuring import MeasuredStep, build_optimizer, check_model, sample_batch
 from .parts import MemoryBreakdown
 
@@ -89,7 +90,9 @@ def predict(
     simulated = target if target.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     # No loss scaler: fp16's scaler needs real values, and its memory is a few scalars.
     fake_precision = Precision(precision, simulated, loss_scaling=False)
-    with FakeTensorMode(), _fake_parameters(model, simulated), training_mode(model):
+    # The workspaces are oneDNN's, the CPU's: a cuDNN reserve is not predicted (see the source string).
+    workspaces = FusedWorkspaces() if target.type == "cpu" else contextlib.nullcontext()
+    with FakeTensorMode(), workspaces, _fake_parameters(model, simulated), training_mode(model):
         built, optimizer_name = build_optimizer(optimizer, model, foreach=True if target.type == "cuda" else None)
         step = TrainStep(model, built, fake_precision, Loss(loss_fn, check_targets=False), set_to_none=set_to_none)
         measured = MeasuredStep(model, resized(batch, batch_size, simulated), step)
@@ -98,7 +101,7 @@ def predict(
         grads, optimizer_state, saved = measured.measure(tracker)
         source = f"predicted with fake tensors on {simulated.type.upper()}"
         if target.type == "cuda":
-            source += " for CUDA (blocks of 512 bytes; cuDNN/cuBLAS workspaces not included)"
+            source += " for CUDA (blocks of 512 bytes; cuDNN/cuBLAS workspaces and cuDNN RNN reserves not included)"
         return measured.result(
             tracker,
             grads,

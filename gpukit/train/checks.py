@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from .. import distributed
 from ..precision import Precision
-from ..step import Batch, Loss, training_mode, unpack_outputs
+from ..step import Batch, Loss, training_mode
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -118,7 +118,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
     with torch.no_grad(), training_mode(model, False):
         try:
             with precision.autocast():
-                prediction, model_loss = unpack_outputs(batch.call(model))
+                outputs = batch.call(model)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # any failure of the model on this batch: say which data it was
@@ -130,8 +130,8 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
         try:
             loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
             with precision.autocast():
-                value = loss(prediction, batch.target, model_loss)
-            Tally(device, loss, metrics).add(batch, value, prediction, model_loss)
+                value = loss(outputs, batch.target)
+            Tally(device, loss, metrics).add(batch, value, outputs)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..env import resolve_device
 from ..precision import Precision, get_precision
-from ..step import Loss, training_mode, unpack_outputs
+from ..step import Loss, training_mode
 from .data import as_loader, batch_on_device
 from .tally import Tally, check_metrics
 
@@ -27,7 +27,7 @@ def evaluate(
     loss_fn: str | Callable | Loss | None = None,
     metrics: dict[str, Callable] | None = None,
 ) -> dict:
-    """Mean loss, accuracy (integer targets scored with cross-entropy) and `metrics` of `model` on
+    """Mean loss, accuracy (where it means something, see gpukit.step) and `metrics` of `model` on
     `data` (a Dataset, a loader or a re-iterable of batches of any form), in eval mode, on `device`
     (default: where the model's parameters or buffers are; a model with neither runs on the best device here).
 
@@ -48,9 +48,9 @@ def evaluate(
         for raw in loader:
             batch = batch_on_device(raw, device, channels_last)
             with precision.autocast():
-                prediction, model_loss = unpack_outputs(batch.call(model))
-                value = loss(prediction, batch.target, model_loss)
-            tally.add(batch, value, prediction, model_loss)
+                outputs = batch.call(model)
+                value = loss(outputs, batch.target)
+            tally.add(batch, value, outputs)
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
     return tally.read(tokens=True) | {"samples": tally.samples}

@@ -81,7 +81,7 @@ def fit(
     train_data: a Dataset (an ImageDataset gets the device-resident DeviceLoader, a TokenDataset
         the TextLoader), a DataLoader, a device-resident loader, or any re-iterable of batches
         (len() optional). Batches and model outputs of any form in gpukit.step: (inputs, target),
-        dict batches for model(**batch), outputs as tensors, tuples or Hugging Face-style objects.
+        dict batches for model(**batch); outputs a tensor, a tuple, a dict or a Hugging Face-style object.
     epochs, max_steps: passes over the data, and an optional cap on optimizer steps (needed for
         data without len() unless the schedule is constant).
     batch_size: the micro-batch, for a Dataset (a loader brings its own); `accumulate=k` sums
@@ -101,11 +101,18 @@ def fit(
     channels_last, compile: the channels_last memory layout for 4-D image batches and weights;
         torch.compile with its defaults (True) or with a dict of its options.
     device: where to train (default: this process's device in a distributed job, else the best here).
-    eval_data, loss_fn, label_smoothing, metrics: held-out data evaluated after every epoch; a
-        function of (outputs, target), "cross_entropy" or "mse" (default the model's own `loss` if
-        it returns one, else cross-entropy for integer targets); smoothing for cross-entropy in
-        training only; {name: fn(outputs, target) -> number}, averaged over samples per epoch as
-        columns train_<name> and eval_<name> (accuracy is added where it means something). eval_data's
+    eval_data, loss_fn, label_smoothing, metrics: held-out data evaluated after every epoch; your
+        function of (outputs, target), which gets the outputs exactly as the model returned them (a
+        tuple, a dict, a ModelOutput, a tensor), or "cross_entropy", "mse" or a PyTorch loss (e.g.
+        nn.CrossEntropyLoss()), which get the prediction (default the model's own `loss` if it
+        returns one, else cross-entropy of the prediction for integer targets); smoothing for
+        cross-entropy in training only; {name: fn(outputs, target) -> number}, outputs as returned,
+        averaged over samples per epoch as columns train_<name> and eval_<name>. The prediction is
+        the tensor returned, else `logits`, else `out` (torchvision segmentation), else a tuple's
+        first tensor. Accuracy is added where it means something: integer targets and a prediction
+        of their shape plus a class dimension ((B, C) for (B,), (B, T, C) for (B, T), (B, C, H, W)
+        for (B, H, W)); not with a model's own loss over sequences (it may shift its labels), nor
+        from a tuple that your own loss_fn gets (a VAE's reconstruction is no class scores). eval_data's
         first batch, the loss and the metrics are tried before the first step (gpukit.train.checks).
     progress, live_plot, log_every: a progress bar (and live curves) in the notebook; a History
         row every log_every optimizer steps (one host-device synchronisation each).
@@ -137,8 +144,16 @@ def fit(
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    check_eval_data(model, eval_data, epochs=epochs, device=device, precision=precision,
-                    channels_last=channels_last, loss_fn=loss_fn, metrics=metrics)  # fmt: skip
+    check_eval_data(
+        model,
+        eval_data,
+        epochs=epochs,
+        device=device,
+        precision=precision,
+        channels_last=channels_last,
+        loss_fn=loss_fn,
+        metrics=metrics,
+    )
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
     forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
@@ -448,10 +463,10 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
     """Forward and backward of one micro-batch; gradients stay local (no all-reduce) until the step's last."""
     run.phase = "forward"
     with distributed.no_sync(run.parallel, not last):
-        loss, prediction, model_loss = run.step.forward(batch)
+        loss, outputs, _ = run.step.forward(batch)
         run.phase = "backward"
         run.step.backward(loss)
-    tally.add(batch, loss, prediction, model_loss)
+    tally.add(batch, loss, outputs)
     window.add(batch, loss)
     run.phase = "loading data"
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .. import distributed
-from ..step import Batch, Loss
+from ..step import Batch, Loss, unpack_outputs
 
 RESERVED = ("loss", "accuracy", "samples", "tokens")
 
@@ -77,7 +77,8 @@ class Tally:
 
     The loss and each metric are averaged over samples, weighted by batch size; accuracy is
     correct over scored targets (token accuracy for sequences, targets equal to -100 not
-    scored). Whether accuracy applies is decided at the first batch (Loss.tracks_accuracy).
+    scored). Whether accuracy applies is decided at the first batch (Loss.tracks_accuracy). Metrics
+    get the outputs as the model returned them (no gradients are recorded).
     """
 
     def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable]):
@@ -88,14 +89,16 @@ class Tally:
         self.sequences = False  # whether tokens were counted (sequence data)
         self.sums = RunningSums(device, ["loss", "correct", "scored", "tokens", *metrics])
 
-    def add(self, batch: Batch, loss: torch.Tensor, prediction, model_loss=None) -> None:
+    def add(self, batch: Batch, loss: torch.Tensor, outputs) -> None:
+        """One batch: its loss, and what the model returned, as it returned it (metrics get that)."""
         first = self.accuracy is None
         if first:
-            self.accuracy = prediction is not None and self.loss.tracks_accuracy(batch, model_loss)
+            self.accuracy = self.loss.tracks_accuracy(batch, outputs)
         size = batch.size
         self.samples += size
         self.sums.add("loss", loss.detach() * size)
         if self.accuracy:
+            prediction, _ = unpack_outputs(outputs)
             correct, scored = self.loss.correct(prediction.detach(), batch.target)
             self.sums.add("correct", correct)
             self.sums.add("scored", scored)
@@ -104,9 +107,8 @@ class Tally:
             self.sums.add("tokens", batch.count_tokens())
         if self.metrics:
             with torch.no_grad():
-                output = prediction.detach() if prediction is not None else None
                 for name, fn in self.metrics.items():
-                    value = fn(output, batch.target)
+                    value = fn(outputs, batch.target)
                     if first:
                         check_metric_value(name, value)
                     self.sums.add(name, value * size)

@@ -3,7 +3,8 @@
 measure()          peak memory of a block of code (measuring.py).
 breakdown()        one training step measured: parameters, gradients, optimizer state, saved
                    activations, the rest, the peak (measuring.py).
-estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py).
+estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py);
+                   fused kernels' workspaces that fake tensors miss, such as oneDNN's LSTM (fused_workspaces.py).
 layer_workspaces() on a CUDA GPU, the scratch memory each layer takes inside its operators (cuDNN's
                    convolution workspaces), which no prediction from tensors includes (workspaces.py).
 optimizer_state_bytes()  the optimizer state each optimizer name keeps, from the parameters (prediction.py).

@@ -441,6 +441,7 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     energy = _epoch_energy(run.watcher, tally.samples) if run.watcher is not None else {}
     run.phase = "evaluation"
     row = {"epoch": epoch + 1} | tally.read("train_")
+    distributed.broadcast_buffers(run.model)  # every rank evaluates (and rank 0 saves) rank 0's BatchNorm statistics
     if run.eval_data is not None:
         result = evaluate(
             run.model,
@@ -450,6 +451,7 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
             channels_last=run.channels_last,
             loss_fn=run.eval_loss,
             metrics=run.metrics,
+            over_ranks=True,  # each rank a share of the batches; every rank reports the whole data's figures
         )
         row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
     row["peak_memory"] = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None

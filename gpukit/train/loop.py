@@ -113,13 +113,20 @@ def fit(
         every epoch (atomically), and a later call with the same folder resumes.
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
-    seed: the order of the data (the model's weights are yours: seed before building it).
+    seed: what fit draws: the order of the loader fit builds for a Dataset, and torch's global generator
+        (the CPU's and every CUDA device's), seeded with seed + rank at the start, from which dropout and
+        any other random op in the model draw: two fits from the same weights with the same seed end
+        equal. Not seeded by it: the model's initial weights (seed before building it, e.g.
+        gk.seed_everything), the order of a loader you pass (its own seed; a DataLoader without a
+        generator draws from torch's global one, so follows seed), NumPy's and Python's generators.
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
         10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
+    # Dropout and the model's other draws; each rank its own masks, as independent processes would draw.
+    torch.manual_seed(check_int("seed", seed, minimum=0) + distributed.rank())
     warmup = _warmup(warmup, warmup_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here

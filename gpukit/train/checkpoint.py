@@ -36,7 +36,8 @@ class Checkpointer:
                     "steps": history.steps,
                     "epochs": history.epochs,
                     "seconds": history.seconds,
-                    "batch_size": history.batch_size,
+                    "batch_size": history.global_batch_size,
+                    "micro_batch_size": history.micro_batch_size,
                     "sample_name": history.sample_name,
                 },
                 "rng": torch.get_rng_state(),
@@ -65,7 +66,8 @@ class Checkpointer:
             precision.load_state_dict(state["precision"])
             saved = state["history"]
             history.steps, history.epochs, history.seconds = saved["steps"], saved["epochs"], saved["seconds"]
-            history.batch_size, history.sample_name = saved["batch_size"], saved["sample_name"]
+            history.global_batch_size, history.sample_name = saved["batch_size"], saved["sample_name"]
+            history.micro_batch_size = saved.get("micro_batch_size", 0)  # absent from older checkpoints
             torch.set_rng_state(state["rng"])
             return state["epoch"], state["step"]
         except (RuntimeError, KeyError, EOFError, ValueError, pickle.UnpicklingError) as error:

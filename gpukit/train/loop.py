@@ -409,7 +409,8 @@ def _first_batch(run: _Run, batch: Batch) -> None:
     """What a sample is, and how many a step takes, read from the data itself."""
     run.seen_a_batch = True
     run.micro_batch_size = run.micro_batch_size or batch.size
-    run.history.batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
+    run.history.micro_batch_size = run.micro_batch_size
+    run.history.global_batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
     run.history.sample_name = batch.sample_name
     if run.channels_last and not any(t.dim() == 4 and t.is_floating_point() for t in batch.tensors()):
         warnings.warn(

@@ -1,7 +1,8 @@
 """Old public names kept working for one release, with a DeprecationWarning that names the new one.
 
 A module lists its renamed names and sets `__getattr__ = renamed(__name__, {...})`; an attribute that
-is not found the usual way is looked up there.
+is not found the usual way is looked up there. A class keeps a renamed attribute as
+`old = renamed_attribute("Class.old", "new")`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib
 import warnings
 from collections.abc import Callable
 
-__all__ = ["renamed"]
+__all__ = ["renamed", "renamed_attribute"]
 
 
 def renamed(module: str, names: dict[str, str]) -> Callable[[str], object]:
@@ -28,3 +29,18 @@ def renamed(module: str, names: dict[str, str]) -> Callable[[str], object]:
         return getattr(importlib.import_module(where), new)
 
     return __getattr__
+
+
+def renamed_attribute(old: str, new: str, why: str = "") -> property:
+    """A property `old` ("Class.name") that reads and writes the attribute `new`, with a DeprecationWarning."""
+    message = f"{old} is deprecated and will be removed in the next release; use .{new}{f' ({why})' if why else ''}."
+
+    def get(self):
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    def set(self, value):
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        setattr(self, new, value)
+
+    return property(get, set, doc=f"Deprecated: {new}.")

@@ -245,14 +245,16 @@ def show_images(images, labels, classes: Sequence[str], count: int = 16, mean=No
 
 def plot_lr_find(result, title: str = ""):
     """The lr range test (gk.lr_find): loss against lr (log scale), measured and smoothed, with the
-    suggested lr and the minimum of the smoothed loss marked."""
+    suggested lr and the lr where the smoothed loss leaves its lowest level marked."""
     import math
 
     figure, (axis,) = _figure(width=6.0)
     finite = [(lr, loss) for lr, loss in zip(result.lrs, result.losses) if math.isfinite(loss)]
     axis.plot([lr for lr, _ in finite], [loss for _, loss in finite], alpha=0.35, label="loss per step")
     axis.plot(result.lrs, result.smoothed, label="smoothed")
-    axis.axvline(result.best_lr, color="gray", linestyle=":", linewidth=1, label=f"minimum ({result.best_lr:.2g})")
+    axis.axvline(
+        result.best_lr, color="gray", linestyle=":", linewidth=1, label=f"loss starts rising ({result.best_lr:.2g})"
+    )
     axis.axvline(result.suggestion, color="C3", linestyle="--", label=f"suggestion {result.suggestion:.2g}")
     low = min(result.smoothed)
     axis.set_ylim(top=max(low * 3, min(finite[0][1] * 1.5, max(loss for _, loss in finite))))

@@ -108,8 +108,9 @@ class Batch:
 
     @property
     def is_sequence(self) -> bool:
-        """An integer target with a time dimension, (B, T): samples are sequences of tokens."""
-        return self.target is not None and not self.target.is_floating_point() and self.target.dim() >= 2
+        """An integer target (B, T): samples are sequences of tokens. A segmentation's (B, H, W) target is not:
+        its samples are images, and its pixels are not counted as tokens."""
+        return self.target is not None and not self.target.is_floating_point() and self.target.dim() == 2
 
     @property
     def sample_name(self) -> str:

@@ -103,7 +103,7 @@ def two_rank_worker(train, text):
     history = gk.fit(model, train, batch_size=BATCH, **COMMON)
     results["fit"] = {
         "losses": history.losses,
-        "batch_size": history.batch_size,
+        "batch_sizes": (history.micro_batch_size, history.global_batch_size),
         "train_loss": [row["train_loss"] for row in history.epochs],
     }
 
@@ -167,7 +167,7 @@ def assert_states_close(a: dict, b: dict, atol: float = 1e-5) -> None:
 
 def test_logged_metrics_are_averaged_over_ranks(two_ranks, one_rank_reference):
     _, reference_history = one_rank_reference
-    assert two_ranks[0]["fit"]["batch_size"] == 2 * BATCH  # History counts images per step over all ranks
+    assert two_ranks[0]["fit"]["batch_sizes"] == (BATCH, 2 * BATCH)  # per rank and step; per step over all ranks
     zero, one = (rank["fit"] for rank in two_ranks)
     assert zero["losses"] == one["losses"] and zero["train_loss"] == one["train_loss"]  # every rank logs the same
     for mine, theirs in zip(zero["losses"], reference_history.losses):  # the mean over ranks = the big batch's loss

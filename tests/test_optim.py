@@ -180,8 +180,8 @@ def test_lr_find_restores_model_and_optimizer_and_finds_a_minimum(device):
     assert optimizer.param_groups[0]["lr"] == 0.1
     assert "diverged" in result.stopped and len(result.lrs) < 30  # lr 100 blows the loss up
     lowest = min(result.smoothed[len(result.smoothed) // 10 :])  # after the first tenth of the steps, as stated
-    assert result.lrs[result.smoothed.index(lowest)] == pytest.approx(10 * result.suggestion)
-    assert result.plot() is not None
+    assert result.lrs[result.smoothed.index(lowest)] == result.lowest_lr <= result.best_lr == 10 * result.suggestion
+    assert result.plot() is not None  # the rule itself: tests/test_lr_find.py
 
 
 class DictModel(nn.Module):
@@ -211,10 +211,6 @@ def test_lr_find_with_dict_and_token_batches_precision_and_accumulation(device):
 
 def test_lr_find_bad_inputs(device):
     batches = [sample(cnn()) for _ in range(5)]
-    with pytest.raises(ValueError, match="needs 20 batches .*10 steps × accumulate=2.*gives 5"):
-        gk.lr_find(cnn(), batches, steps=10, accumulate=2, device=device)
-    with pytest.raises(ValueError, match="needs 10 batches"):
-        gk.lr_find(cnn(), iter(batches), steps=10, device=device)  # no len(): found out while running
     with pytest.raises(ValueError, match="end_lr"):
         gk.lr_find(cnn(), batches, start_lr=1.0, end_lr=0.1, steps=5, device=device)
     with pytest.raises(ValueError, match="lr must be"):

@@ -24,7 +24,9 @@ MASTER_PORT):
 
 `gk.fit` notices the process group and wraps the model in DistributedDataParallel, shards the
 data, skips the gradient all-reduce on accumulation micro-batches, averages the logged metrics
-over ranks, shows progress and writes checkpoints on rank 0 only.
+over ranks, gives every rank rank 0's buffers (BatchNorm statistics) after each epoch, splits the
+held-out data over the ranks and sums the results, so that every rank reports the same metrics of the
+whole held-out data, and shows progress and writes checkpoints on rank 0 only.
 """
 
 from . import costmodel, pipeline, scaling, zero
@@ -35,6 +37,7 @@ from .parallel import (
     Worker,
     average_parameters,
     barrier,
+    broadcast_buffers,
     check_same,
     cleanup,
     data_parallel,
@@ -63,6 +66,7 @@ __all__ = [
     "WorkerError",
     "average_parameters",
     "barrier",
+    "broadcast_buffers",
     "check_same",
     "cleanup",
     "compare_sharding",

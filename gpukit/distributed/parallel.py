@@ -330,6 +330,23 @@ def sharded_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int 
     )
 
 
+def broadcast_buffers(model: nn.Module, source: int = 0) -> None:
+    """Give every rank the buffers of rank `source` (BatchNorm's running statistics, counters, your own).
+
+    DDP copies rank 0's buffers to every rank at the start of each training forward, and each rank then
+    updates them with its own part of the batch: after the last step they differ. Copying rank 0's, rather
+    than averaging, keeps the chain of statistics DDP itself kept, is what rank 0 saves in a checkpoint,
+    and suits buffers of every kind (an integer counter or a mask cannot be averaged). gk.fit calls this
+    after every epoch, before evaluating. Nothing happens in one process; FSDP2's sharded tensors are left.
+    """
+    if world_size() == 1:
+        return
+    with torch.no_grad():
+        for buffer in model.buffers():
+            if not hasattr(buffer, "to_local"):  # a DTensor's shards differ by design
+                dist.broadcast(buffer, src=source)
+
+
 def average_parameters(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Replace parameters and floating-point buffers by their mean over ranks (local SGD's sync)."""
     count = dist.get_world_size(group)

@@ -392,8 +392,8 @@ class Checkpointer:
         else:
             run.scheduler.load_state_dict(state["scheduler"])
         run.precision.load_state_dict(state["precision"])
-        for name, value in state["history"].items():
-            setattr(run.history, name, value)
+        for name, value in state["history"].items():  # "batch_size" in files of before the rename: the global one
+            setattr(run.history, "global_batch_size" if name == "batch_size" else name, value)
         self.pending = {"position": state["position"]} | state["ranks"][distributed.rank()]
         return state["epoch"], state["step"]
 
@@ -503,4 +503,4 @@ def _every_rank(value) -> list:
     return gathered
 
 
-_HISTORY_FIELDS = ("steps", "epochs", "seconds", "batch_size", "sample_name")
+_HISTORY_FIELDS = ("steps", "epochs", "seconds", "micro_batch_size", "global_batch_size", "sample_name")

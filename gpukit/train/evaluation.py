@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .. import distributed
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Loss, training_mode
@@ -26,6 +27,7 @@ def evaluate(
     channels_last: bool = False,
     loss_fn: str | Callable | Loss | None = None,
     metrics: dict[str, Callable] | None = None,
+    over_ranks: bool = False,
 ) -> dict:
     """Mean loss, accuracy (where it means something, see gpukit.step) and `metrics` of `model` on
     `data` (a Dataset, a loader or a re-iterable of batches of any form), in eval mode, on `device`
@@ -33,6 +35,12 @@ def evaluate(
 
     Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and "tokens"
     for sequence data}. The loss and metrics are means over samples; accuracy is over scored targets.
+
+    over_ranks: in a distributed job, every rank takes every world_size-th batch and the sums are
+        added over the ranks (one all-reduce), so every rank returns the same figures, those of the
+        whole data; every rank must call it (fit does, after each epoch). A model sharded with FSDP2
+        gathers its parameters in every forward, a collective all ranks must join: every rank then
+        evaluates every batch. Without it, each rank evaluates all of `data` on its own.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module to evaluate, got {type(model).__name__}.")
@@ -43,6 +51,9 @@ def evaluate(
     if isinstance(data, torch.utils.data.Dataset) is False:
         batch_size = None  # a loader or an iterable brings its own batches
     loader = as_loader(data, batch_size, device, shuffle=False, channels_last=channels_last, shard=False)
+    split = over_ranks and distributed.world_size() > 1 and not distributed.is_sharded(model)
+    if split:  # this rank's share of the batches: every world_size-th, none left out, none counted twice
+        loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
     tally = Tally(device, loss, metrics)
     with training_mode(model, False):
         for raw in loader:
@@ -51,6 +62,8 @@ def evaluate(
                 outputs = batch.call(model)
                 value = loss(outputs, batch.target)
             tally.add(batch, value, outputs)
+    if split:
+        tally.over_ranks()
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
     return tally.read(tokens=True) | {"samples": tally.samples}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import runfile
+from ..deprecation import renamed_attribute
 from ..files import write_atomic
 from ..plots import plot_history
 from ..report import Table
@@ -21,7 +22,9 @@ class History:
 
     steps:  one row per logged window of `log_every` optimizer steps: step (the last in the
             window), epoch, loss (mean over the window), lr, step_time (s, mean over the window),
-            samples_per_second, and tokens_per_second for sequence data (scored target tokens).
+            samples_per_second (all ranks), and tokens_per_second for token sequences, (B, T)
+            integer targets (scored target tokens; a segmentation's (B, H, W) pixels are not tokens:
+            its samples are images, counted by samples_per_second).
     epochs: one row per epoch: epoch, train_loss, then train_accuracy where accuracy means
             something (integer targets scored with cross-entropy), train_<name> for each of your
             metrics; the same with eval_ when there is held-out data; peak_memory (bytes allocated
@@ -29,6 +32,9 @@ class History:
             fit(monitor=True), what was measured of energy_j, joules_per_sample, co2_grams,
             mean_power_w, mean_utilization (%) and throttle_reasons.
     A column that does not apply to the run is absent, never 0.
+    micro_batch_size: samples per forward and backward on one rank (fit's batch_size, or your loader's).
+    global_batch_size: samples per optimizer step, all ranks together: micro_batch_size × accumulate ×
+            ranks (`batch_size` before: deprecated, it read as the micro-batch but held this).
     sample_name: what one sample is ("image", "sequence" or "sample"), read from the first batch.
     environment: what the run ran on, recorded by fit: device_name, profile, python, torch, cuda,
             gpukit and git_commit (None outside a git checkout).
@@ -40,12 +46,17 @@ class History:
     epochs: list[dict] = field(default_factory=list)
     precision: str = "fp32"
     device: str = "cpu"
-    batch_size: int = 0  # samples per optimizer step, all ranks together
+    micro_batch_size: int = 0  # samples per forward and backward on one rank
+    global_batch_size: int = 0  # samples per optimizer step: micro_batch_size × accumulate × ranks
     sample_name: str = "sample"
     skipped_steps: int = 0  # fp16 steps skipped by the loss scaler
     seconds: float = 0.0  # wall time of the whole fit, evaluation included
     environment: dict = field(default_factory=dict)
     monitor: list[dict] = field(default_factory=list)  # fit(monitor=True): GPU samples (see gk.hardware.Monitor)
+
+    batch_size = renamed_attribute(
+        "History.batch_size", "global_batch_size", "micro_batch_size is the batch_size passed to fit"
+    )
 
     @property
     def losses(self) -> list[float]:
@@ -93,7 +104,7 @@ class History:
 
     @property
     def tokens_per_second(self) -> float | None:
-        """Median throughput in scored target tokens/s for sequence data; None otherwise."""
+        """Median throughput in scored target tokens/s for token sequences ((B, T) integer targets); None otherwise."""
         return self._steady_median("tokens_per_second")
 
     @property
@@ -107,7 +118,11 @@ class History:
         return max(values) if values else None
 
     def summary(self) -> dict:
-        summary = {"precision": self.precision, "batch_size": self.batch_size}
+        summary = {
+            "precision": self.precision,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size,
+        }
         summary |= {name: self.final(name) for name in self.metric_names}
         # Throughput in the data's own unit: images_per_second for images, tokens_per_second too for text.
         summary |= {f"{self.sample_name}s_per_second": self.samples_per_second, "step_time_ms": self.step_time * 1e3}
@@ -121,7 +136,11 @@ class History:
 
     def table(self):
 
-        return Table(self.epochs, title=f"{self.precision}, batch {self.batch_size} on {self.device}")
+        return Table(
+            self.epochs,
+            title=f"{self.precision}, micro-batch {self.micro_batch_size}, {self.global_batch_size} samples per "
+            f"optimizer step, on {self.device}",
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write this History to a JSON file (format in gpukit.runfile), atomically; the folder is created.
@@ -143,6 +162,8 @@ class History:
         known = {f.name for f in dataclasses.fields(cls)}
         # Fields this gpukit does not know (from a later gpukit of the same format) are left out.
         fields = {name: value for name, value in record["history"].items() if name in known}
+        if "batch_size" in record["history"]:  # written before the name said what it holds
+            fields.setdefault("global_batch_size", record["history"]["batch_size"])
         for name in ("device", "precision"):
             if name in environment:
                 fields[name] = environment.pop(name)

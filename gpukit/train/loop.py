@@ -126,13 +126,20 @@ def fit(
         that cannot be written, is refused before any work.
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
-    seed: the order of the data (the model's weights are yours: seed before building it).
+    seed: what fit draws: the order of the loader fit builds for a Dataset, and torch's global generator
+        (the CPU's and every CUDA device's), seeded with seed + rank at the start, from which dropout and
+        any other random op in the model draw: two fits from the same weights with the same seed end
+        equal. Not seeded by it: the model's initial weights (seed before building it, e.g.
+        gk.seed_everything), the order of a loader you pass (its own seed; a DataLoader without a
+        generator draws from torch's global one, so follows seed), NumPy's and Python's generators.
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
         10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
+    # Dropout and the model's other draws; each rank its own masks, as independent processes would draw.
+    torch.manual_seed(check_int("seed", seed, minimum=0) + distributed.rank())
     warmup = _warmup(warmup, warmup_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
@@ -448,7 +455,8 @@ def _first_batch(run: _Run, batch: Batch) -> None:
     """What a sample is, and how many a step takes, read from the data itself."""
     run.seen_a_batch = True
     run.micro_batch_size = run.micro_batch_size or batch.size
-    run.history.batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
+    run.history.micro_batch_size = run.micro_batch_size
+    run.history.global_batch_size = run.micro_batch_size * run.accumulate * distributed.world_size()
     run.history.sample_name = batch.sample_name
     check_first_batch(run.model, batch, run.precision, run.device)  # inputs of another dtype than the weights, named
     if run.channels_last and not any(t.dim() == 4 and t.is_floating_point() for t in batch.tensors()):
@@ -488,6 +496,7 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     energy = _epoch_energy(run.watcher, tally.samples) if run.watcher is not None else {}
     run.phase = "evaluation"
     row = {"epoch": epoch + 1} | tally.read("train_")
+    distributed.broadcast_buffers(run.model)  # every rank evaluates (and rank 0 saves) rank 0's BatchNorm statistics
     if run.eval_data is not None:
         result = evaluate(
             run.model,
@@ -497,6 +506,7 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
             channels_last=run.channels_last,
             loss_fn=run.eval_loss,
             metrics=run.metrics,
+            over_ranks=True,  # each rank a share of the batches; every rank reports the whole data's figures
         )
         row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
     row["peak_memory"] = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None

@@ -1,17 +1,28 @@
 """`lr_find`: the learning-rate range test (Leslie Smith 2015; fastai's and Lightning's lr finder).
 
 Train for a short run while the learning rate grows exponentially from `start_lr` to `end_lr`,
-record the loss at each step, smooth it, and stop once it diverges. Where the smoothed loss
-falls fastest the model learns; where it turns up the learning rate is too large. The model
-and the optimizer are restored to what they were before, bit for bit.
+record the loss at each step, and stop once it diverges. Where the loss falls fastest the model
+learns; where it turns up the learning rate is too large. The model and the optimizer are restored
+to what they were before, bit for bit.
+
+The losses of single steps are noisy (one batch each), so the suggestion reads a smoothed curve:
+a running median centred on each step (a moving average that lags would move every feature to a
+higher lr, and one diverging step would drag it up), from which the noise of one step is measured.
+The suggestion is the largest lr at which that curve is still at its lowest level, within the noise,
+÷ 10. On a clean curve that is fastai's "minimum ÷ 10"; on a curve that stays flat within the noise
+over decades (a model that learns little in a short test, such as a ViT), the minimum is wherever
+the noise dipped, often in the first steps, while the end of the flat stretch is where the learning
+rate starts to hurt.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,28 +33,35 @@ from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
 from ..validation import check_int
-from .data import as_loader, batch_on_device, length
+from .data import as_loader, batch_on_device
 
-SUGGESTION_RULE = "the lr at the minimum of the smoothed loss ÷ 10"
+SUGGESTION_RULE = "the largest lr at which the smoothed loss is still at its lowest level ÷ 10"
+NOISE_BAND = 6.0  # the lowest level: within this many standard deviations of the smoothed curve's noise
 
 
 @dataclass
 class LRFinderResult:
-    """What the range test measured. `suggestion` follows `rule`; `steepest` is the lr where the
-    smoothed loss fell fastest (per decade of lr), another common choice, given for comparison."""
+    """What the range test measured. `suggestion` follows `rule`. `steepest` is the lr where the
+    smoothed loss falls fastest per decade of lr (a least-squares slope over one window, searched
+    from the first tenth of the steps to the lowest point), another common choice: bolder, and
+    meaningful only where the loss clearly falls."""
 
     lrs: list[float]
     losses: list[float]  # the loss of each step, as measured
-    smoothed: list[float]  # exponential moving average of `losses`, bias-corrected
+    smoothed: list[float]  # running median of `losses` over `window` steps centred on each (what the rules read)
     suggestion: float
     steepest: float
+    lowest_lr: float  # where the smoothed loss is lowest (the first tenth of the steps left out)
+    noise: (
+        float  # standard deviation of one step's loss around the curve (robust: from neighbouring steps' differences)
+    )
+    window: int = 1  # steps in each median
     rule: str = SUGGESTION_RULE
     stopped: str = ""  # why the run ended: "diverged at lr …" or "reached end_lr"
-    extra: dict = field(default_factory=dict)
 
     @property
     def best_lr(self) -> float:
-        """The lr at the minimum of the smoothed loss (the first tenth of the steps left out)."""
+        """The largest lr at which the smoothed loss is still at its lowest level: beyond it, the loss rises."""
         return self.suggestion * 10
 
     def plot(self, title: str = ""):
@@ -90,17 +108,20 @@ def lr_find(
     """The learning-rate range test on `model` with `data` (anything fit accepts, any batch form).
 
     Step i of `steps` uses lr = start_lr · (end_lr / start_lr)^(i / (steps - 1)), the same for
-    every parameter group. The smoothed loss is an exponential moving average (weight `smoothing`
-    on the past), bias-corrected as in Adam. The run stops early when the smoothed loss exceeds
-    `diverge` × its minimum, or any loss is not finite. Suggested lr: the lr at the minimum of the
-    smoothed loss ÷ 10 (fastai's "lr_min"), a conservative rule that stays below where the loss
-    blows up; the minimum is searched after the first tenth of the steps, whose average rests on
-    few losses. The lr of steepest descent is returned too.
+    every parameter group. The run stops early when an exponential moving average of the loss
+    (weight `smoothing` on the past, bias-corrected as in Adam) exceeds `diverge` × its minimum, or
+    a loss is not finite; later steps are not read.
 
-    The test needs `steps × accumulate` batches in one pass over the data (no epochs are
-    repeated); shorter data is an error that says how many it needs. The model's parameters,
-    buffers and gradients, and the state of an Optimizer you pass, are restored afterwards; your
-    model stays on its device.
+    Suggested lr (`suggestion`): the largest lr at which the smoothed loss (a running median over
+    about a twentieth of the steps either side) is still at its lowest level, within NOISE_BAND
+    standard deviations of the smoothed curve's noise, ÷ 10: beyond that lr the loss rises, and a
+    tenth of it stays clear of the edge. The first tenth of the steps is left out of the search.
+    `steepest` (where the smoothed loss falls fastest) and `lowest_lr` are returned too.
+
+    Data shorter than `steps × accumulate` batches is read again, pass after pass (each in a new
+    order where the loader shuffles), as fastai's lr_find does; a generator read to its end is an
+    error. The model's parameters, buffers and gradients, and the state of an Optimizer you pass,
+    are restored afterwards; your model stays on its device.
     """
     _check(start_lr, end_lr, steps, smoothing, diverge)
     check_int("accumulate", accumulate, note="(micro-batches per optimizer step)")
@@ -109,10 +130,6 @@ def lr_find(
     device = resolve_device(device)
     precision = get_precision(precision, device)
     loader = as_loader(data, batch_size, device, shuffle=True, seed=seed)
-    needed = steps * accumulate
-    available = length(loader)
-    if available is not None and available < needed:
-        raise ValueError(_too_short(needed, available, steps, accumulate))
 
     original_device = next(model.parameters()).device
     saved_model = {name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=True).items()}
@@ -122,7 +139,9 @@ def lr_find(
         model.to(device)
         built = make_optimizer(optimizer, model, start_lr, weight_decay)
         step = TrainStep(model, built, precision, Loss(loss_fn), parameters=model.parameters(), accumulate=accumulate)
-        result = _sweep(step, built, loader, device, start_lr, end_lr, steps, accumulate, smoothing, diverge, precision)
+        lrs, losses, stopped = _sweep(
+            step, built, loader, device, start_lr, end_lr, steps, accumulate, smoothing, diverge, precision
+        )
     finally:
         with torch.no_grad():
             for name, tensor in model.state_dict(keep_vars=True).items():
@@ -132,26 +151,42 @@ def lr_find(
         if saved_optimizer is not None:
             optimizer.load_state_dict(saved_optimizer)
         model.to(original_device)
-    if len(result.lrs) < 3:
+    finite = len(losses) if math.isfinite(losses[-1]) else len(losses) - 1
+    if finite < 3:
         raise ValueError(
-            f"the loss diverged after {len(result.lrs)} steps, at lr {result.lrs[-1]:.3g}: start lower (start_lr="
-            f"{start_lr / 100:g})."
+            f"the loss diverged after {len(lrs)} steps, at lr {lrs[-1]:.3g}: start lower (start_lr={start_lr / 100:g})."
         )
-    return result
+    return _suggest(lrs, losses, stopped)
 
 
-def _too_short(needed: int, available: int, steps: int, accumulate: int) -> str:
-    return (
-        f"lr_find needs {needed} batches ({steps} steps × accumulate={accumulate}) but the data gives {available}; "
-        f"pass more data, a smaller batch_size, or fewer steps (steps={max(5, available // accumulate)})."
-    )
+def _cycle(loader) -> Iterator:
+    """The loader's batches pass after pass, each pass in a new order where the loader shuffles (as fastai's
+    lr_find trains as many epochs as its steps need)."""
+    for index in itertools.count():
+        for owner in (loader, getattr(loader, "sampler", None)):
+            if index and hasattr(owner, "set_epoch"):
+                owner.set_epoch(index)
+                break
+        empty = True
+        for raw in loader:
+            empty = False
+            yield raw
+        if empty and index == 0:
+            raise ValueError("lr_find got no batch: the data is empty, or smaller than one batch with drop_last.")
+        if empty:
+            raise ValueError(
+                "lr_find read the data to its end, and reading it again gave no batch: a generator or iterator can be "
+                "read only once. Pass a list, a Dataset or a DataLoader, or fewer steps."
+            )
 
 
 def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate, smoothing, diverge, precision):
+    """(lrs, losses, why it stopped) of the sweep; it stops at the first loss that is not finite, or once the
+    moving average exceeds `diverge` × its minimum."""
     ratio = end_lr / start_lr
-    lrs, losses, smoothed = [], [], []
+    lrs, losses = [], []
     average, best, stopped = 0.0, math.inf, "reached end_lr"
-    batches = iter(loader)
+    batches = _cycle(loader)
     with training_mode(step.model), precision.flags():
         for index in range(steps):
             lr = start_lr * ratio ** (index / (steps - 1))
@@ -159,11 +194,7 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
                 group["lr"] = lr
             total = torch.zeros((), device=device)
             for _ in range(accumulate):
-                try:
-                    raw = next(batches)
-                except StopIteration:
-                    raise ValueError(_too_short(steps * accumulate, index * accumulate, steps, accumulate)) from None
-                loss, _, _ = step.forward(batch_on_device(raw, device, False))
+                loss, _, _ = step.forward(batch_on_device(next(batches), device, False))
                 step.backward(loss)
                 total += loss.detach()
             step.step()
@@ -171,24 +202,64 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
             lrs.append(lr)
             losses.append(value)
             if not math.isfinite(value):
-                smoothed.append(math.inf)
                 stopped = f"diverged at lr {lr:.3g} (loss not finite)"
                 break
             average = smoothing * average + (1 - smoothing) * value
-            smoothed.append(average / (1 - smoothing ** (index + 1)))
-            best = min(best, smoothed[-1])
-            if smoothed[-1] > diverge * best:
-                stopped = f"diverged at lr {lr:.3g} (smoothed loss > {diverge:g} × its minimum)"
+            level = average / (1 - smoothing ** (index + 1))  # bias-corrected: the first steps' average is not ~0
+            best = min(best, level)
+            if level > diverge * best:
+                stopped = f"diverged at lr {lr:.3g} (moving average of the loss > {diverge:g} × its minimum)"
                 break
-    # The first steps' average rests on few losses (noisy); the minimum is searched after them.
-    skip = min(len(smoothed) // 10, len(smoothed) - 1)
-    finite = [i for i, value in enumerate(smoothed) if math.isfinite(value) and i >= skip]
-    lowest = min(finite, key=smoothed.__getitem__) if finite else 0
-    # Slope of the smoothed loss per decade of lr, over the points up to the minimum.
-    slopes = [
-        (smoothed[i + 1] - smoothed[i]) / math.log10(lrs[i + 1] / lrs[i])
-        for i in range(max(lowest, 1))
-        if i + 1 < len(smoothed)
-    ]
-    steepest = lrs[min(range(len(slopes)), key=slopes.__getitem__)] if slopes else lrs[0]
-    return LRFinderResult(lrs, losses, smoothed, suggestion=lrs[lowest] / 10, steepest=steepest, stopped=stopped)
+    return lrs, losses, stopped
+
+
+def _suggest(lrs: list[float], losses: list[float], stopped: str) -> LRFinderResult:
+    """The suggestion, the steepest descent and the lowest point, read from a running median of the finite losses."""
+    count = len(losses) if math.isfinite(losses[-1]) else len(losses) - 1  # a non-finite loss ends the sweep
+    half = max(2, round(count / 20))  # steps either side: a tenth of the sweep in each median
+    smoothed = _running_median(losses[:count], half)
+    skip = max(count // 10, 1)  # the first steps: a median cut short at the edge, and a model still settling
+    # One step's noise, robustly: each loss against the mean of its two neighbours, which cancels the curve's own
+    # trend where it is straight. For normal noise of deviation σ that difference has deviation σ·√1.5, and 1.4826 ×
+    # its median absolute value estimates it. A median of n such losses varies about 1.25 / sqrt(n) as much as one.
+    kinks = [abs(losses[i] - (losses[i - 1] + losses[i + 1]) / 2) for i in range(skip, count - 1)]
+    noise = 1.4826 * statistics.median(kinks) / math.sqrt(1.5) if kinks else 0.0
+    band = NOISE_BAND * 1.25 * noise / math.sqrt(2 * half + 1)
+    lowest = min(range(skip, count), key=smoothed.__getitem__)
+    edge = lowest
+    while edge + 1 < count and smoothed[edge + 1] <= smoothed[lowest] + band:
+        edge += 1  # still at the lowest level; the first step above it ends the search (later ones may be diverging)
+    if edge == len(losses) - 1 and stopped == "reached end_lr":
+        stopped += (
+            " without the loss rising above its lowest level: the suggestion is end_lr ÷ 10; a larger end_lr shows "
+            "where it rises"
+        )
+    logs = [math.log10(lr) for lr in lrs[:count]]
+    slopes = {
+        i: _slope(logs[max(0, i - half) : i + half + 1], smoothed[max(0, i - half) : i + half + 1])
+        for i in range(skip, lowest + 1)
+    }
+    steepest = min(slopes, key=slopes.__getitem__)
+    return LRFinderResult(
+        lrs,
+        losses,
+        smoothed + [math.inf] * (len(losses) - count),
+        suggestion=lrs[edge] / 10,
+        steepest=lrs[steepest],
+        lowest_lr=lrs[lowest],
+        noise=noise,
+        window=2 * half + 1,
+        stopped=stopped,
+    )
+
+
+def _running_median(values: list[float], half: int) -> list[float]:
+    """The median of the values from `half` before to `half` after each (fewer at the ends)."""
+    return [statistics.median(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
+
+
+def _slope(x: list[float], y: list[float]) -> float:
+    """Least-squares slope of y against x."""
+    mean_x, mean_y = sum(x) / len(x), sum(y) / len(y)
+    spread = sum((a - mean_x) ** 2 for a in x)
+    return sum((a - mean_x) * (b - mean_y) for a, b in zip(x, y)) / spread if spread else 0.0

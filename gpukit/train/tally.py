@@ -114,8 +114,12 @@ class Tally:
                     self.sums.add(name, value * size)
 
     def over_ranks(self) -> None:
-        """Add up every rank's sums and samples (one all-reduce)."""
-        (self.samples,) = self.sums.over_ranks(self.samples)
+        """Add up every rank's sums and samples (one all-reduce). Whether accuracy applies and whether tokens
+        were counted travel with them: a rank that saw no batch learns them from the others, and every rank
+        reports the same columns."""
+        self.samples, self.accuracy, self.sequences = self.sums.over_ranks(
+            self.samples, bool(self.accuracy), self.sequences
+        )
 
     def read(self, prefix: str = "", tokens: bool = False) -> dict:
         """{prefix + "loss", prefix + "accuracy" (if it applies), prefix + each metric, and with `tokens` the

@@ -60,7 +60,7 @@ CUDA_REGIONS = [
     ("precision.py", "has_fast_kernels", ("after", "if device.type != 'cuda':"), "compute capability"),
     ("runfile.py", "device_name", ("if", "device.type == 'cuda'"), "the GPU's name"),
     ("env.py", "detect", ("if", "gpus and (not problem)"), "a usable GPU was found"),
-    ("env.py", "_choose_profile", ("if", "device == 'cuda'"), "a GPU was found"),
+    ("env.py", "_automatic_profile", ("if", "device == 'cuda'"), "a GPU was found"),
     ("env.py", "resolve_device", ("after", "if count == 0:"), "past the no-GPU guard"),
     ("env.py", "cuda_index", None, "called by CUDA code only"),
     ("hardware/monitor.py", "_nvml_index", None, "a CUDA device's NVML index"),

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import data, distributed, gpucheck, models, nbval
+from . import data, distributed, gpucheck, models, nbval, shipped
 from .checkup import collect
 from .env import detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpukit", description="Learn and measure fast neural-network training with PyTorch."
     )
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="{doctor,train,gpu-check,nbval-sanitize-path}"
+        dest="command", required=True, metavar="{doctor,train,lessons,gpu-check,nbval-sanitize-path}"
     )
 
     doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and CI)")
     train.set_defaults(handler=train_main)
 
+    _add_lessons(commands)
     _add_gpu_check(commands)
 
     sanitize = commands.add_parser(
@@ -106,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sanitize.set_defaults(handler=lambda args: print(nbval.sanitize_path()))
     return parser
+
+
+def _add_lessons(commands) -> None:
+    """The `lessons` command: a copy of the lessons to open and edit (gpukit/shipped.py)."""
+    lessons = commands.add_parser(
+        "lessons",
+        help="copy the lessons (notebooks) into a folder, to open and edit them after a pip install",
+        description="Copy gpukit's lesson notebooks into DIR (made if missing). Lessons already there are kept "
+        "unless --force. Then: jupyter lab DIR.",
+    )
+    lessons.add_argument("dir", metavar="DIR", help="the folder to copy them into, e.g. gpukit-lessons")
+    lessons.add_argument("--force", action="store_true", help="replace lessons already in DIR")
+    lessons.set_defaults(handler=lessons_main)
 
 
 def _add_gpu_check(commands) -> None:
@@ -243,6 +257,11 @@ def train_main(args: argparse.Namespace) -> History:
     return history
 
 
+def lessons_main(args: argparse.Namespace) -> None:
+    copies = shipped.copy_lessons(args.dir, overwrite=args.force)
+    print(f"copied {len(copies)} lessons to {Path(args.dir).resolve()}; open them with: jupyter lab {args.dir}")
+
+
 def _number(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -259,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
-    except (ValueError, FileNotFoundError, CheckpointError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NonFiniteLossError as error:

@@ -30,6 +30,7 @@ LAYERS = [
         "gpukit.hardware.gpus",
         "gpukit.nbval",
         "gpukit.jupyter",
+        "gpukit.shipped",
     },
     {
         "gpukit.data",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -52,13 +56,12 @@ def test_folder_names_what_it_ships():
         shipped.folder("data")
 
 
-def _fresh_venv_with_the_wheel(tmp_path: Path) -> Path:
-    """A venv holding gpukit only as installed from its wheel; its dependencies come from this interpreter's
-    site-packages, added by a .pth line (which, unlike a site folder, runs none of that folder's own .pth files,
-    so the editable install of the clone stays out of sight)."""
-    source = tmp_path / "source"  # a copy, so that the build leaves nothing in the clone
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """gpukit's wheel, built from a copy of the clone (so that the build leaves nothing in it)."""
+    folder = tmp_path_factory.mktemp("wheel")
+    source = folder / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", ".whl", "*.egg-info", "build", "dist"))
-    quiet = {"check": True, "capture_output": True, "text": True, "timeout": 300}
     subprocess.run(
         [
             sys.executable,
@@ -69,29 +72,46 @@ def _fresh_venv_with_the_wheel(tmp_path: Path) -> Path:
             "--no-build-isolation",
             "-q",
             "-w",
-            str(tmp_path / "dist"),
+            str(folder),
             str(source),
         ],
-        **quiet,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
-    [wheel] = (tmp_path / "dist").glob("gpukit-*.whl")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], **quiet)
-    python = venv / "bin" / "python"
-    site = Path(
-        subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], **quiet).stdout.strip()
+    [built] = folder.glob("gpukit-*.whl")
+    return built
+
+
+def _venv(folder: Path) -> tuple[Path, Path]:
+    """A fresh venv without pip: its python and its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    python = folder / "bin" / "python"
+    where = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    return python, Path(
+        subprocess.run([python, "-c", where], capture_output=True, text=True, check=True).stdout.strip()
     )
-    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
-        **quiet,
-    )
-    return python
 
 
 @pytest.mark.slow
-def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path):
-    python = _fresh_venv_with_the_wheel(tmp_path)
+def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path, wheel):
+    # gpukit only from its wheel; the dependencies from this interpreter's site-packages, added by a .pth line
+    # (which, unlike a site folder, runs none of that folder's own .pth files: the clone's editable install stays out).
+    python, site = _venv(tmp_path / "venv")
+    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "-q",
+        "--target",
+        str(site),
+        str(wheel),
+    ]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     found = subprocess.run(
         [python, "-c", "import gpukit; print(gpukit.__file__)"],
@@ -125,6 +145,101 @@ def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
-    assert (
-        sorted(path.name for path in lessons.iterdir() if not path.name.endswith(".ipynb")) == []
-    )  # wrote nothing beside
+    assert [path.name for path in lessons.iterdir() if path.suffix != ".ipynb"] == []  # wrote nothing beside them
+
+
+def _install_command_of_the_first_cell(lesson: Path) -> list[str]:
+    """What the lesson's install cell runs where gpukit is missing (Colab, Kaggle): its pip arguments."""
+    import importlib.util
+
+    cell = next(cell for cell in json.loads(lesson.read_text())["cells"] if cell["cell_type"] == "code")
+    commands = []
+    real_find_spec = importlib.util.find_spec
+    with (
+        mock.patch("importlib.util.find_spec", lambda name: None if name == "gpukit" else real_find_spec(name)),
+        mock.patch("subprocess.run", lambda command, **_: commands.append(command)),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        exec("".join(cell["source"]), {})
+    [command] = commands
+    return command[command.index("install") + 1 :]
+
+
+def _runtime_with(site: Path, torch_version: str) -> None:
+    """Make `site` look like a Colab image: every dependency of gpukit installed, torch at `torch_version`."""
+    installed = {
+        "torch": torch_version,
+        "torchvision": "0.26.0",
+        "numpy": "2.1.0",
+        "matplotlib": "3.9.0",
+        "ipywidgets": "8.1.0",
+        "tqdm": "4.66.0",
+        "cloudpickle": "3.0.0",
+    }
+    for name, version in installed.items():
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text("")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torch_version", ["2.11.0", "2.10.0"])
+def test_the_install_cell_keeps_the_runtimes_torch(tmp_path, wheel, torch_version):
+    """Colab's torch stays: 2.11 (supported) is kept and only gpukit is installed; 2.10 (too old) stops pip with a
+    conflict rather than pulling a new torch."""
+    arguments = _install_command_of_the_first_cell(ROOT / "notebooks" / "01_train_a_cnn.ipynb")
+    spec = next(argument for argument in arguments if argument.startswith("gpukit @ git+"))
+    python, site = _venv(tmp_path / "runtime")
+    _runtime_with(site, torch_version)
+    # The cell pins what is installed here (this interpreter's torch); the runtime's versions replace them.
+    pins = [f"torch=={torch_version}", "torchvision==0.26.0"]
+    assert [argument.split("==")[0] for argument in arguments if "==" in argument] == ["torch", "torchvision"]
+    report = tmp_path / "report.json"
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "--dry-run",
+        "--report",
+        str(report),
+        "--no-index",
+        "--find-links",
+        str(wheel.parent),
+        "gpukit",
+        *pins,
+    ]
+    assert spec.endswith(_repository()) and "-q" in arguments
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if torch_version == "2.11.0":
+        assert result.returncode == 0, result.stderr
+        assert [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]] == ["gpukit"]
+    else:
+        assert result.returncode != 0 and "conflict" in result.stderr.lower(), result.stderr
+        assert not report.exists()
+
+
+def _repository() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"].rstrip("/")
+
+
+def test_badges_and_install_cells_are_built_from_the_one_repository_url():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import open_in
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert open_in.main(check=True) == 0, "run python tools/open_in.py"
+    repo = _repository().removeprefix("https://github.com/")
+    readme = (ROOT / "README.md").read_text()
+    for lesson in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(lesson.read_text())["cells"]
+        title = "".join(cells[0]["source"])
+        target = f"{repo}/blob/main/notebooks/{lesson.name}"
+        for text in (title, readme):
+            assert f"https://colab.research.google.com/github/{target})" in text, lesson.name
+            assert f"https://kaggle.com/kernels/welcome?src=https://github.com/{target})" in text, lesson.name
+        assert cells[1]["id"] == "install-gpukit" and f"git+https://github.com/{repo}" in "".join(cells[1]["source"])

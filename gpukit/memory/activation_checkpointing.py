@@ -1,28 +1,31 @@
 """Activation (gradient) checkpointing applied to a model without editing its code.
 
-A checkpointed region keeps only its inputs in the forward pass, and runs its forward again
-in the backward pass to get back the activations it needs: memory traded for compute, about
-one extra forward pass (20-30% more step time is the usual figure). Regions use
-torch.utils.checkpoint with use_reentrant=False.
+A checkpointed region keeps only its inputs in the forward pass, and runs its forward again in the
+backward pass to get back the activations it needs: memory traded for compute, about one extra forward
+pass (20-30% more step time is the usual figure). Regions use torch.utils.checkpoint (use_reentrant=False).
 
-Regions are made of *blocks*: the children (with parameters and submodules of their own) of
-the model's outermost nn.Sequential or nn.ModuleList containers: a ResNet's BasicBlocks, the
-kit CNN's conv groups, a transformer's layers. Choose them with one of
+Regions are made of *blocks*: the children (with parameters and submodules of their own) of the model's
+outermost nn.Sequential or nn.ModuleList containers: a ResNet's BasicBlocks, a transformer's layers (a
+Hugging Face model's too). Choose them with one of
 
     every=k        a region every k consecutive blocks (k=1, the default: every block);
     segments=m     about m regions of consecutive blocks ("sqrt": about sqrt(n) of n blocks);
     modules=[...]  the named modules (names from model.named_modules(), or module classes).
 
-A model without blocks made of an nn.Sequential of plain layers (an MLP: Linear, ReLU, ...) is split
-as torch.utils.checkpoint.checkpoint_sequential splits it: its layers in about sqrt(n) segments (or
-`segments=m`, or `every=k` layers each), every segment but the last a region: backward needs the last
-segment's activations at once, so recomputing them would save nothing. With `batch=`, one training step
-is measured before and after (gk.memory.breakdown), and the plan says (and warns) if the peak did not drop.
+An nn.Sequential of plain layers without blocks (an MLP) is split as checkpoint_sequential splits it, the
+last segment left as it is; a model with neither (an MLP class of its own, a ModuleList of Linear experts)
+gets an error that says what was searched and found, and how to name modules=[...]. With `batch=`, one
+training step is measured before and after (gk.memory.breakdown), and a peak that did not drop is warned of.
 
-Module names, parameters and the state_dict do not change: the modules' `forward` is
-replaced on the instance, and `remove_activation_checkpointing(model)` puts it back. BatchNorm running
-statistics are updated once per step, as without checkpointing: the recomputation restores
-them afterwards. Forward hooks inside a region run again during the recomputation.
+What stays as without checkpointing: module names, parameters and the state_dict (`forward` is replaced on
+the instance; remove_activation_checkpointing(model) puts it back); every buffer a region changes in forward
+(BatchNorm's statistics, an EMA, a step counter): the recomputation runs on the values the forward saw and
+the buffers end the step as the forward left them (a copy of a region's buffers is kept from forward to
+backward: BatchNorm's are a few kB). A call of a region with no trainable parameter and no input that needs
+a gradient (a frozen backbone; the plan names such regions) runs plainly: nothing to recompute. A model whose
+config has use_cache=True (Hugging Face) gets use_cache=False, as gradient_checkpointing_enable does: a
+cache filled in a region would be filled again by the recomputation; removal sets it back. Forward hooks
+inside a region run again during the recomputation.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ..deprecation import renamed
@@ -45,18 +49,53 @@ from .measuring import breakdown
 _PLAN = "_gpukit_checkpointing"  # the attribute that holds a model's ActivationCheckpointingPlan
 
 
-@contextlib.contextmanager
-def _running_statistics_kept(batchnorms: list[nn.Module]) -> Iterator[None]:
-    """Put BatchNorm buffers back as they were: the recomputation runs BatchNorm in training
-    mode again, which would otherwise update the running statistics a second time."""
-    saved = [[buffer.clone() for buffer in module.buffers(recurse=False)] for module in batchnorms]
-    try:
+def _buffers(modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(owner, name, buffer) for every buffer in `modules`."""
+    return [
+        (owner, name, buffer)
+        for module in modules
+        for owner in module.modules()
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+    ]
+
+
+class _BuffersOfOneCall:
+    """One call of a region: its buffers as they were before the forward, for the recomputation.
+
+    Without checkpointing a region's forward runs once per step; with it, again in backward. The
+    recomputation runs on copies of the buffers as they were before the forward (so it computes what
+    the forward computed, even where the output depends on a buffer it updates), and the buffers the
+    forward left are put back after it (so an EMA, a counter or BatchNorm's statistics are updated once
+    per step). All buffers are copied: a write is not always visible (BatchNorm's kernel does not bump
+    the version counter) and comparing values would wait for the GPU. The copies (BatchNorm's: a few
+    kB per block) live until backward.
+    """
+
+    def __init__(self, region: _Region):
+        self.region = region
+        self.before: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        copies: dict[int, torch.Tensor] = {}  # id(buffer) -> its copy: tied buffers stay tied
+        self.before = [
+            (owner, name, copies.setdefault(id(buffer), buffer.detach().clone()))
+            for owner, name, buffer in _buffers(self.region.modules)
+        ]
         yield
-    finally:
-        with torch.no_grad():
-            for module, values in zip(batchnorms, saved):
-                for buffer, value in zip(module.buffers(recurse=False), values):
-                    buffer.copy_(value)
+
+    @contextlib.contextmanager
+    def recomputation(self) -> Iterator[None]:
+        after = _buffers(self.region.modules)
+        copies: dict[int, torch.Tensor] = {}  # copies again: a second backward (retain_graph) recomputes too
+        for owner, name, before in self.before:
+            owner._buffers[name] = copies.setdefault(id(before), before.clone())
+        try:
+            yield
+        finally:
+            for owner, name, buffer in after:
+                owner._buffers[name] = buffer
 
 
 class _Region:
@@ -70,7 +109,6 @@ class _Region:
         self.names = names
         self.modules = modules
         self.previous = previous
-        self.batchnorms = [m for module in modules for m in module.modules() if isinstance(m, _BatchNorm)]
 
     def run(self, *args, **kwargs):
         if len(self.modules) == 1:
@@ -82,11 +120,20 @@ class _Region:
             output = module(output)
         return output
 
+    def _needs_gradients(self, args, kwargs) -> bool:
+        """Whether backward goes through this call: decided per call, since inputs and freezing vary."""
+        if any(parameter.requires_grad for module in self.modules for parameter in module.parameters()):
+            return True
+        return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves((args, kwargs)))
+
     def _contexts(self):
-        return contextlib.nullcontext(), _running_statistics_kept(self.batchnorms)
+        buffers = _BuffersOfOneCall(self)
+        return buffers.forward(), buffers.recomputation()
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled():  # evaluation: nothing is saved, so there is nothing to recompute
+        # Evaluation, or a frozen region on inputs without gradients: nothing is saved, nothing to recompute
+        # (checkpoint would only keep the inputs).
+        if not torch.is_grad_enabled() or not self._needs_gradients(args, kwargs):
             return self.run(*args, **kwargs)
         return checkpoint(self.run, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
@@ -124,12 +171,15 @@ class ActivationCheckpointingPlan:
     peak_before: int | None = None  # bytes: one training step's measured peak without and with (given a batch)
     peak_after: int | None = None
     found: str = "blocks"  # what `blocks` names: "blocks", or "layers" of an nn.Sequential without blocks
+    kinds: dict[str, int] = field(default_factory=dict)  # class name -> how many modules of it were wrapped
+    caches: list[object] = field(default_factory=list, repr=False)  # configs whose use_cache was set to False
 
     def __str__(self) -> str:
         shown = ", ".join("+".join(region) for region in self.regions[:8]) + (", …" if len(self.regions) > 8 else "")
+        kinds = ", ".join(f"{count} {kind}" for kind, count in self.kinds.items())
         text = (
-            f"{self.model_name}: {sum(map(len, self.regions))} modules checkpointed in {len(self.regions)} regions "
-            f"({len(self.blocks)} {self.found} found): {shown}"
+            f"{self.model_name}: {sum(map(len, self.regions))} modules ({kinds}) checkpointed in "
+            f"{len(self.regions)} regions ({len(self.blocks)} {self.found} found): {shown}"
         )
         if self.peak_before is not None:
             text += (
@@ -253,7 +303,10 @@ def apply_activation_checkpointing(
     plan = ActivationCheckpointingPlan(
         type(model).__name__, blocks, [[name for name, *_ in group] for group in groups], notes, found=found
     )
+    plan.kinds = dict(Counter(type(module).__name__ for group in groups for _, module, _ in group))
+    _note_frozen_regions(groups, notes)
     before = _measured_peak(model, batch)
+    _turn_off_caches(model, plan)
     containers: dict[int, tuple[nn.Sequential, dict[int, _Region]]] = {}
     for group in groups:
         names, members = [name for name, *_ in group], [module for _, module, _ in group]
@@ -275,6 +328,34 @@ def apply_activation_checkpointing(
     return plan
 
 
+def _note_frozen_regions(groups: list[list[tuple]], notes: list[str]) -> None:
+    frozen = [
+        "+".join(name for name, *_ in group)
+        for group in groups
+        if not any(parameter.requires_grad for _, module, _ in group for parameter in module.parameters())
+    ]
+    if frozen:
+        shown = ", ".join(frozen[:6]) + (", …" if len(frozen) > 6 else "")
+        notes.append(
+            f"{len(frozen)} regions have no trainable parameter ({shown}): a call whose inputs need no gradient "
+            "either (a frozen backbone's) runs without checkpointing, which would keep its inputs for nothing."
+        )
+
+
+def _turn_off_caches(model: nn.Module, plan: ActivationCheckpointingPlan) -> None:
+    """use_cache=False in every config of the model that has use_cache=True (Hugging Face models)."""
+    configs = {id(config): config for config in (getattr(module, "config", None) for module in model.modules())}
+    plan.caches = [config for config in configs.values() if getattr(config, "use_cache", None) is True]
+    for config in plan.caches:
+        config.use_cache = False
+    if plan.caches:
+        plan.notes.append(
+            "config.use_cache set to False, as Hugging Face's gradient_checkpointing_enable does: a key/value cache "
+            "filled inside a region would be filled again by the recomputation. "
+            "gk.memory.remove_activation_checkpointing(model) sets it back."
+        )
+
+
 def _choose_regions(model, every, segments, modules, notes: list[str]) -> tuple[list[list[tuple]], list[str], str]:
     """The regions (each a list of (name, module, parent)), the names of the blocks (or layers) they were
     chosen from, and which of the two those are."""
@@ -285,11 +366,7 @@ def _choose_regions(model, every, segments, modules, notes: list[str]) -> tuple[
     if not found:
         found, layers = sequential_layers(model), True
         if not found:
-            raise ValueError(
-                f"found no blocks to checkpoint in {type(model).__name__}: it has no nn.Sequential or nn.ModuleList "
-                "of modules with parameters and submodules, and no nn.Sequential of layers to split. Pass "
-                "modules=[...] with the names (see model.named_modules()) of the parts to checkpoint."
-            )
+            raise _no_blocks(model)
         if every is None and segments is None:
             segments = "sqrt"
     if segments is not None:
@@ -315,6 +392,40 @@ def _choose_regions(model, every, segments, modules, notes: list[str]) -> tuple[
         )
         groups = groups[:-1]
     return groups, [name for name, *_ in found], "layers" if layers else "blocks"
+
+
+def _no_blocks(model: nn.Module) -> ValueError:
+    """What was searched and found in a model without blocks, and what to pass instead."""
+    containers = [
+        f"{type(module).__name__} {name!r} of "
+        + ", ".join(f"{count} {kind}" for kind, count in Counter(type(child).__name__ for child in module).items())
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module)
+    ]
+    found = "found none"
+    if containers:
+        found = f"found only {'; '.join(containers[:3])}: no children with submodules, nor layers run in order"
+    # examples: the model's parts with parameters, a ModuleList's members in its place (it has no forward)
+    names = [
+        f"{name}.{member}" if isinstance(child, nn.ModuleList) else name
+        for name, child in model.named_children()
+        for member in (range(len(child)) if isinstance(child, nn.ModuleList) else [None])
+        if _has_parameters(child)
+    ][:4]
+    layers = Counter(
+        type(m) for name, m in model.named_modules() if name and _has_parameters(m) and not len(m._modules)
+    )
+    examples = [f"modules=[{', '.join(map(repr, names))}]"] if names else []
+    if layers:
+        kind = layers.most_common(1)[0][0]
+        examples.append(f"modules=[{'nn.' if kind.__module__.startswith('torch.nn') else ''}{kind.__name__}]")
+    return ValueError(
+        f"found no blocks to checkpoint in {type(model).__name__}: searched its nn.Sequential and nn.ModuleList "
+        f"containers for blocks (children with parameters and submodules of their own) and {found}; there is no "
+        "nn.Sequential of layers to split either. Pass modules=[...] with the parts to checkpoint"
+        + (f", such as {' or '.join(examples)}" if examples else "")
+        + " (names from model.named_modules(), or module classes)."
+    )
 
 
 def _measured_peak(model: nn.Module, batch) -> int | None:
@@ -349,6 +460,8 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
             del module.forward
         else:
             module.forward = previous
+    for config in plan.caches:
+        config.use_cache = True
     delattr(model, _PLAN)
 
 

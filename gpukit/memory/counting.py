@@ -128,24 +128,34 @@ class SavedTensors:
 
     Each storage counts once; parameters and buffers (the `exclude` storages) are not
     activations and are left out. Inside a non-reentrant checkpoint region only the region's
-    inputs are saved, so a checkpointed model is counted as it really is.
+    inputs are saved, so a checkpointed model is counted as it really is. Only storages still
+    alive when the forward ends count (saved by a graph that was dropped, they are not kept for
+    backward): a freed storage's address can be reused by a new one, which must count afresh.
     """
 
     def __init__(self, model: nn.Module, exclude: set[int]):
         self.model = model
         self.exclude = exclude
-        self.seen: set[int] = set()
+        self.saved: dict[int, tuple[weakref.ref, int, str]] = {}  # storage id -> (weak reference, bytes, module)
         self.bytes = 0
         self.by_module: Counter = Counter()
         self.stack: list[str] = []
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = storage_of(tensor)
-        if storage is not None and storage._cdata not in self.seen and storage._cdata not in self.exclude:
-            self.seen.add(storage._cdata)
-            self.bytes += storage.nbytes()
-            self.by_module[self.stack[-1] if self.stack else "(outside modules)"] += storage.nbytes()
+        if storage is not None and storage._cdata not in self.exclude:
+            known = self.saved.get(storage._cdata)
+            if known is None or known[0]() is None:  # new, or a freed storage's address reused
+                module = self.stack[-1] if self.stack else "(outside modules)"
+                self.saved[storage._cdata] = (weakref.ref(storage), storage.nbytes(), module)
         return tensor
+
+    def _count_alive(self) -> None:
+        for reference, size, module in self.saved.values():
+            if reference() is not None:
+                self.bytes += size
+                self.by_module[module] += size
+        self.saved.clear()
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -169,3 +179,4 @@ class SavedTensors:
         finally:
             for handle in handles:
                 handle.remove()
+            self._count_alive()

@@ -96,6 +96,15 @@ class Env:
     def has_gpu(self) -> bool:
         return self.device in ("cuda", "mps")
 
+    @property
+    def fast_precision(self) -> str:
+        """The precision that trains fastest here, for `fit(precision=...)`: "bf16-mixed" on CUDA GPUs with bf16
+        (compute capability 8.0 and newer), "fp16-mixed" with loss scaling on older ones (a T4 or a V100: their
+        tensor cores run fp16, not bf16), and "fp32" on CPUs and MPS, where bf16 is emulated or no faster."""
+        if self.device != "cuda":
+            return "fp32"
+        return "bf16-mixed" if self.bf16 else "fp16-mixed"
+
     def __str__(self) -> str:
         gpus = ", ".join(g.name for g in self.gpus) or "none"
         if self.cuda_unusable_reason:

@@ -4,7 +4,7 @@ Importing gpukit never initialises CUDA, so a notebook can still launch worker p
 that use the GPU afterwards.
 """
 
-from . import bench, data, distributed, hardware, memory, models, optim, plots, shipped, step, train
+from . import bench, data, distributed, hardware, inference, memory, models, optim, plots, shipped, step, train
 from .checkup import doctor
 from .deprecation import renamed
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
@@ -34,6 +34,7 @@ __all__ = [
     "format_bytes",
     "get_precision",
     "hardware",
+    "inference",
     "lr_find",
     "memory",
     "models",

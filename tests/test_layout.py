@@ -41,7 +41,7 @@ LAYERS = [
         "gpukit.checkup",
         "gpukit.gpucheck",
     },
-    {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor"},
+    {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor", "gpukit.inference"},
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
     {"gpukit.cli", "gpukit.__main__"},

@@ -7,6 +7,7 @@ pipeline.py    a model split over two ranks, micro-batches flowing between them
 scaling.py     measured: all-reduce bandwidth, throughput by workers, DDP variants
 zero.py        optimizer state sharded over ranks: ZeRO-1 with DDP, against DDP and FSDP2
 costmodel.py   predicted: a ring all-reduce cost model against published scaling figures
+stragglers.py  a slow rank sets the pace: measured waiting against a cost model, and local SGD
 
 One worker function runs everywhere: under `launch` (a notebook or a script), under torchrun on
 one or many machines, and in a cluster job, because `setup()` reads everything from the
@@ -29,7 +30,7 @@ held-out data over the ranks and sums the results, so that every rank reports th
 whole held-out data, and shows progress and writes checkpoints on rank 0 only.
 """
 
-from . import costmodel, pipeline, scaling, zero
+from . import costmodel, pipeline, scaling, stragglers, zero
 from .launcher import WorkerError, launch
 from .parallel import (
     COMPRESSIONS,
@@ -83,6 +84,7 @@ __all__ = [
     "print0",
     "rank",
     "scaling",
+    "stragglers",
     "setup",
     "shard",
     "sharded_data_parallel",

@@ -4,7 +4,8 @@ Serving is not training: no backward, no optimizer, and a request waits for its 
 matter and pull apart: **latency**, the seconds one batch takes (what a user waits), and **throughput**, the
 examples per second (what a machine serves). A larger batch fills the device better, so throughput rises,
 but every request in it waits longer. `measure` times a model's forward under `torch.inference_mode` for
-each batch size, with `gk.bench.timeit` (CUDA events on a GPU), so that variants can be set side by side.
+each batch size, interleaved, with `gk.bench.compare` (CUDA events on a GPU), so that variants can be set side
+by side.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .bench import timeit
+from .bench import compare
 from .env import resolve_device
 from .precision import get_precision
 
@@ -64,7 +65,7 @@ def measure(
         model = model.to(memory_format=torch.channels_last)
     runner = torch.compile(model) if compile else model
     name = variant or "+".join([precision] + ["channels_last"] * channels_last + ["compiled"] * compile)
-    rows = []
+    calls = {}
     for batch_size in batch_sizes:
         inputs = make_input(batch_size).to(device)
         if channels_last:
@@ -74,6 +75,7 @@ def measure(
             with torch.inference_mode(), numerics.flags(), numerics.autocast():
                 return runner(inputs)
 
-        timing = timeit(forward, device=device, warmup=warmup, repeats=repeats)
-        rows.append(InferenceRow(name, batch_size, timing.median, batch_size / timing.median, timing.iqr))
-    return rows
+        calls[batch_size] = forward
+    # Interleaved (1, 8, 64, 1, 8, 64, ...): drift and other load affect every batch size alike.
+    timings = compare(calls, device=device, warmup=warmup, repeats=repeats)
+    return [InferenceRow(name, b, t.median, b / t.median, t.iqr) for b, t in timings.items()]

@@ -43,7 +43,7 @@ def test_each_batch_size_is_timed_in_eval_mode_without_autograd():
     model = Recorder().train()
     rows = inference.measure(model, images, [1, 4], device=CPU, warmup=1, repeats=3)
     assert [(row.variant, row.batch_size) for row in rows] == [("fp32", 1), ("fp32", 4)]
-    assert [call["batch"] for call in model.calls] == [1] * 4 + [4] * 4  # warm-up and repeats, each size
+    assert [call["batch"] for call in model.calls] == [1, 4] + [1, 4] * 3  # warm-up, then interleaved repeats
     assert not any(call["training"] or call["grad"] for call in model.calls)
     assert all(call["inference"] and call["dtype"] == torch.float32 for call in model.calls)
     for row in rows:

@@ -12,6 +12,7 @@ import copy
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .env import resolve_device, synchronize
 from .hardware.gpus import find_gpu
 from .precision import PRECISIONS, matmul_format
-from .step import Loss, forward_backward, split_batch
+from .step import Loss, forward_backward, split_batch, to_device
 
 __all__ = [
     "Timing",
@@ -188,7 +189,28 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
     no arithmetic is done with the weights, and the model (its gradients, BatchNorm statistics) is
     left untouched. What is computed from the batch alone runs on its values (a copy), so that a
     model may check them: a Hugging Face model's `torch.all(attention_mask == 1)` works.
+
+    A model that reads values computed from its weights (a detector's non-maximum suppression and
+    proposal sampling, a branch on its own outputs) cannot run on the meta device: it is counted on a
+    real forward and backward of a copy of it, on the device of its parameters, instead, and a warning
+    says so. Your model, and every random generator, are left as they were.
     """
+    try:
+        return _count_on_meta(model, batch, backward, loss_fn)
+    except (_ValuesNeeded, RuntimeError, NotImplementedError) as error:  # a real run raises what is a real error
+        reason = " ".join(str(error).split()) or type(error).__name__
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
+        flops = _count_for_real(model, batch, device, backward, loss_fn)
+    warnings.warn(
+        f"flops_per_step: the meta device cannot run this model ({reason}); counted on a real forward and backward "
+        f"of a copy of it on {device} instead (your model is unchanged).",
+        stacklevel=2,
+    )
+    return flops
+
+
+def _count_on_meta(model: torch.nn.Module, batch, backward: bool, loss_fn) -> int:
     meta_model = copy.deepcopy(model).to("meta")
     real = batch if isinstance(batch, torch.Tensor) else split_batch(batch)
     meta = real.to("meta") if isinstance(real, torch.Tensor) else real.map(lambda tensor: tensor.to("meta"))
@@ -197,6 +219,19 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
     with counter, _BatchValues(pairs):
         forward_backward(meta_model, meta, Loss(loss_fn, check_targets=False), backward=backward)
     return counter.get_total_flops()
+
+
+def _count_for_real(model: torch.nn.Module, batch, device: torch.device, backward: bool, loss_fn) -> int:
+    copied = copy.deepcopy(model)
+    batch = batch.to(device) if isinstance(batch, torch.Tensor) else to_device(split_batch(batch), device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        forward_backward(copied, batch, Loss(loss_fn, check_targets=False), backward=backward)
+    return counter.get_total_flops()
+
+
+class _ValuesNeeded(ValueError):
+    """The model reads a number from a tensor whose values the meta run does not have."""
 
 
 class _BatchValues(TorchDispatchMode):
@@ -221,11 +256,9 @@ class _BatchValues(TorchDispatchMode):
         metas = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.device.type == "meta"]
         if not metas or not all(tensor in self.values for tensor in metas):
             if func is torch.ops.aten._local_scalar_dense.default:
-                raise ValueError(
-                    "the model reads a number (.item(), `if tensor:`) from a tensor computed from its weights or made "
-                    "inside it, whose values flops_per_step does not have: it counts on the meta device, keeping the "
-                    "values of the batch and of what is computed from the batch alone. Count a real step with "
-                    "torch.utils.flop_counter.FlopCounterMode instead."
+                raise _ValuesNeeded(
+                    "it reads a number (.item(), `if tensor:`) from a tensor computed from its weights or made inside "
+                    "it, whose values the meta device does not have"
                 )
             self._forget_written(func, args, kwargs)
             return func(*args, **kwargs)

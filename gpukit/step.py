@@ -11,21 +11,33 @@ A *batch* is what a loader yields. Accepted forms:
     (*inputs, target)      three or more tensors, as TensorDataset(a, b, y) yields
     {"name": tensor, …}    a dict (the Hugging Face convention) → model(**batch); its "labels"
                            entry, if any, is the target
+    (inputs, targets)      targets a list (or tuple) of dicts, one per example: torchvision's
+                           detection form, images a list of (C, H, W) tensors and targets
+                           [{"boxes": (N, 4), "labels": (N,)}, …] → model(inputs, targets), as you
+                           would call it: such a model takes its targets and computes its own losses
+
+Every tensor is moved to the device, inside lists, tuples and dicts too, element by element.
 
 The model may return anything: a tensor, a tuple or list (a VAE's (recon, mu, logvar)), a dict
 (torchvision's segmentation models return {"out": …, "aux": …}) or an object with attributes (a
 Hugging Face ModelOutput). Its *prediction*, found by `unpack_outputs` (the one place that looks
 inside outputs), is the tensor itself; a dict's or object's `logits`, else its `out`; or the first
-tensor of a tuple or list. Its own loss is a dict's or object's `loss`.
+tensor of a tuple or list. Its own loss is a dict's or object's `loss`, or the sum of a dict of
+scalar tensors (a torchvision detector's losses in training mode, {"loss_classifier": …, …}):
+fit and evaluate then report each of them too, as a column of its own (`loss_parts`). A list of
+dicts (a detector's detections in eval mode) holds neither: evaluate reports your metrics of it.
 
 The loss is, in this order:
 - `loss_fn(outputs, target)` with your own function: it receives the outputs exactly as the model
   returned them (the whole tuple or dict), and the target (None for a dict batch without "labels");
 - a built-in loss ("cross_entropy", "mse", or one of PyTorch's: a torch.nn.functional loss such as
   F.cross_entropy, an nn.Module loss such as nn.MSELoss()) of the prediction and the target;
-- with no loss_fn, the model's own `loss`; else cross-entropy of the prediction when the target is
+- with no loss_fn, the model's own loss; else cross-entropy of the prediction when the target is
   an integer tensor ((B, C) with (B,), (B, T, V) with (B, T), (B, C, H, W) with (B, H, W); entries
-  equal to -100 ignored). A floating-point target needs an explicit loss_fn.
+  equal to -100 ignored). A floating-point target needs an explicit loss_fn. Other scalar tensors
+  the model returns beside its prediction (a mixture of experts' load-balancing loss in
+  `(logits, aux_loss)`) are not added to a loss computed from the prediction: fit warns, and your
+  loss_fn adds them (`Loss.ignored_scalars`).
 
 Accuracy is reported only where it means something: an integer target, and a floating-point
 prediction that is the target's shape plus one class dimension of at least two classes (last, or
@@ -37,13 +49,14 @@ loss_fn gets the tuple (a VAE's reconstruction is no class scores), and never fr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .precision import Precision, get_precision
 
@@ -54,8 +67,12 @@ __all__ = [
     "Loss",
     "TrainStep",
     "cross_entropy",
+    "describe_value",
     "forward_backward",
+    "is_list_of_dicts",
+    "loss_parts",
     "mean_squared_error",
+    "only_losses",
     "split_batch",
     "to_device",
     "training_mode",
@@ -66,8 +83,9 @@ IGNORE_INDEX = -100  # targets equal to this are not scored (PyTorch's and Huggi
 LOSSES = ("cross_entropy", "mse")
 BATCH_FORMS = (
     "(inputs, target) with inputs a tensor, a tuple/list of tensors or a dict of tensors; "
-    "(*inputs, target) with three or more tensors; or a dict of tensors passed as model(**batch), "
-    "whose 'labels' entry is the target"
+    "(*inputs, target) with three or more tensors; a dict of tensors passed as model(**batch), "
+    "whose 'labels' entry is the target; or (images, targets) with targets a list of dicts, one per example "
+    "(torchvision's detection form), passed as model(images, targets)"
 )
 
 
@@ -79,38 +97,69 @@ BATCH_FORMS = (
 class Batch:
     """A batch split into what the model is called with and what its output is compared to.
 
-    size:  examples in the batch (the first dimension of its first tensor).
+    size:  examples in the batch (the first dimension of its first tensor; in the detection form, the
+           number of per-example targets).
+    target_to_model: the model is called with the target as its last argument, model(*args, target):
+           the detection form, whose model computes its own losses from its targets.
     """
 
     args: tuple
     kwargs: dict
-    target: torch.Tensor | None
+    target: torch.Tensor | list | None
     size: int
+    target_to_model: bool = False
 
     def call(self, model: Callable):
+        if self.target_to_model:
+            return model(*self.args, self.target, **self.kwargs)
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*_leaves(self.args), *_leaves(self.kwargs), self.target) if isinstance(t, torch.Tensor)]
+        """Every tensor of the batch, inside lists, tuples and dicts too."""
+        return [t for t in tree_leaves((self.args, self.kwargs, self.target)) if isinstance(t, torch.Tensor)]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        """The same batch with `fn` applied to every tensor in it."""
+        """The same batch with `fn` applied to every tensor in it, inside lists, tuples and dicts too."""
         args, kwargs, target = tree_map(
             lambda x: fn(x) if isinstance(x, torch.Tensor) else x, (self.args, self.kwargs, self.target)
         )
-        return Batch(args, kwargs, target, self.size)
+        return dataclasses.replace(self, args=args, kwargs=kwargs, target=target)
+
+    def repeated(self, batch_size: int) -> Batch:
+        """The batch's examples taken in turn until there are `batch_size`: every tensor whose first dimension
+        is the batch's, and every list or tuple of one item per example (a detection batch's images and targets).
+        Real values, unlike zeros: a detector's boxes stay boxes."""
+        index = [i % self.size for i in range(batch_size)]
+
+        def per_example(value):
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == self.size:
+                return value[torch.tensor(index, device=value.device)]
+            if isinstance(value, (tuple, list)) and len(value) == self.size:
+                return type(value)(value[i] for i in index)
+            return value
+
+        return dataclasses.replace(
+            self,
+            args=tuple(per_example(x) for x in self.args),
+            kwargs={key: per_example(x) for key, x in self.kwargs.items()},
+            target=per_example(self.target),
+            size=batch_size,
+        )
 
     @property
     def is_images(self) -> bool:
-        """One 4-D floating-point input: a batch of images (B, C, H, W)."""
+        """One floating-point input of images: a (B, C, H, W) batch, or a list of (C, H, W) images (detection)."""
         only = self.args[0] if len(self.args) == 1 and not self.kwargs else None
+        if isinstance(only, (tuple, list)) and only:
+            return all(isinstance(x, torch.Tensor) and x.dim() == 3 and x.is_floating_point() for x in only)
         return isinstance(only, torch.Tensor) and only.dim() == 4 and only.is_floating_point()
 
     @property
     def is_sequence(self) -> bool:
         """An integer target (B, T): samples are sequences of tokens. A segmentation's (B, H, W) target is not:
         its samples are images, and its pixels are not counted as tokens."""
-        return self.target is not None and not self.target.is_floating_point() and self.target.dim() == 2
+        target = self.target
+        return isinstance(target, torch.Tensor) and not target.is_floating_point() and target.dim() == 2
 
     @property
     def sample_name(self) -> str:
@@ -142,6 +191,33 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def describe_value(value) -> str:
+    """What a value is, in words, for messages: "a list of 2 dicts ('boxes', 'labels', 'scores')", "a tuple of 2
+    tensors of shapes (8, 10), ()", "a tuple of a tensor of shape (8, 10) and a dict with keys 'aux'"."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if is_list_of_dicts(value):
+        keys = list(dict.fromkeys(key for item in value for key in item))
+        return f"a {type(value).__name__} of {len(value)} dicts ({', '.join(map(repr, keys[:8]))})"
+    if isinstance(value, (tuple, list)):
+        kind = type(value).__name__
+        if not value:
+            return f"an empty {kind}"
+        if len(value) > 1 and all(isinstance(item, torch.Tensor) for item in value):  # a detection batch's images
+            shapes = ", ".join(str(tuple(item.shape)) for item in value[:4]) + (", …" if len(value) > 4 else "")
+            return f"a {kind} of {len(value)} tensors of shapes {shapes}"
+        items = [describe_value(item) for item in value[:4]] + (["…"] if len(value) > 4 else [])
+        return f"a {kind} of " + (items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}")
+    if isinstance(value, Mapping):
+        return f"a dict with keys {', '.join(map(repr, list(value)[:8]))}"
+    return f"a {type(value).__name__}"
+
+
+def is_list_of_dicts(value) -> bool:
+    """A non-empty list or tuple of dicts: one per example (detection targets, or a detector's detections)."""
+    return isinstance(value, (tuple, list)) and bool(value) and all(isinstance(item, Mapping) for item in value)
+
+
 def _first_dimension(value) -> int | None:
     for leaf in _leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
@@ -166,10 +242,12 @@ def split_batch(batch) -> Batch:
         return Batch((), dict(batch), target if isinstance(target, torch.Tensor) else None, _size(batch))
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         *inputs, target = batch
+        if is_list_of_dicts(target) and len(inputs) == 1:  # detection: model(images, targets)
+            return Batch((inputs[0],), {}, target, len(target), target_to_model=True)
         if not isinstance(target, torch.Tensor):
             raise TypeError(
-                f"the last element of a batch must be the target tensor, got {_describe(batch)}; the accepted "
-                f"forms are {BATCH_FORMS}."
+                f"the last element of a batch must be the target: a tensor, or a list of dicts (one per example), "
+                f"got {_describe(batch)}; the accepted forms are {BATCH_FORMS}.{_collate_hint(target)}"
             )
         if len(inputs) == 1:
             (inputs,) = inputs
@@ -182,6 +260,17 @@ def split_batch(batch) -> Batch:
         elif all(isinstance(x, torch.Tensor) for x in inputs):
             return Batch(tuple(inputs), {}, target, _size(batch))
     raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.")
+
+
+def _collate_hint(target) -> str:
+    """A dict of batched tensors where per-example dicts were meant: what PyTorch's default collate makes of them."""
+    if not isinstance(target, Mapping):
+        return ""
+    return (
+        " A dict target is what the DataLoader's default collate makes of per-example dicts (it stacks them, and "
+        "fails on boxes of different counts): keep one dict per example with "
+        "DataLoader(..., collate_fn=gk.data.collate_lists)."
+    )
 
 
 def _size(batch) -> int:
@@ -210,11 +299,41 @@ def unpack_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if isinstance(outputs, (tuple, list)):
         return next((item for item in outputs if isinstance(item, torch.Tensor)), None), None
     if isinstance(outputs, Mapping):  # a dict, or a Hugging Face ModelOutput (an OrderedDict)
+        losses = _dict_of_losses(outputs)
+        if losses and "loss" not in losses:  # a detector's {"loss_classifier": …, "loss_box_reg": …}
+            return None, sum(losses.values())
         found = outputs.get("logits"), outputs.get("out"), outputs.get("loss")
     else:
         found = (getattr(outputs, name, None) for name in ("logits", "out", "loss"))
     logits, out, loss = (value if isinstance(value, torch.Tensor) else None for value in found)
     return (logits if logits is not None else out), loss
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
+def _dict_of_losses(outputs) -> dict[str, torch.Tensor]:
+    """A dict whose every value is a scalar floating-point tensor: the model's losses; else empty."""
+    if isinstance(outputs, Mapping) and outputs and all(_is_scalar(value) for value in outputs.values()):
+        return dict(outputs)
+    return {}
+
+
+def only_losses(outputs) -> bool:
+    """Whether the outputs are a dict of losses and nothing else (a detector in training mode): no prediction
+    for a metric to measure."""
+    return bool(_dict_of_losses(outputs))
+
+
+def loss_parts(outputs) -> dict[str, torch.Tensor]:
+    """The losses a model returned as a dict of scalars, detached, by column name (a name that does not start
+    with "loss" gets "loss_" in front, so that no part is taken for another column); not its total "loss"."""
+    return {
+        (name if str(name).startswith("loss") else f"loss_{name}"): value.detach()
+        for name, value in _dict_of_losses(outputs).items()
+        if name != "loss"
+    }
 
 
 def class_dimension(prediction: torch.Tensor, target: torch.Tensor) -> int | None:
@@ -374,8 +493,37 @@ class Loss:
             )
         return loss.float()
 
+    def of_evaluation(self, outputs, target) -> torch.Tensor | None:
+        """The loss for evaluation; None where there is none to compute: outputs that are a list of dicts (a
+        detector's detections: torchvision's compute their losses only in training mode), with no loss_fn of yours."""
+        if is_list_of_dicts(outputs) and not self.takes_outputs:
+            return None
+        return self(outputs, target)
+
+    def ignored_scalars(self, outputs) -> list[str]:
+        """Where the outputs hold scalar tensors that this loss leaves out ("[1]", "['aux_loss']"): it is a built-in
+        loss of the prediction alone (no loss_fn of yours, no loss of the model's own), and a tuple or dict returned
+        beside the prediction a scalar, such as a mixture of experts' load-balancing loss in (logits, aux_loss)."""
+        prediction, model_loss = unpack_outputs(outputs)
+        if self.takes_outputs or self.uses_model_loss(model_loss) or prediction is None:
+            return []
+        if isinstance(outputs, (tuple, list)):
+            items = enumerate(outputs)
+        elif isinstance(outputs, Mapping):
+            items = outputs.items()
+        else:
+            return []
+        return [f"[{key!r}]" for key, value in items if value is not prediction and _is_scalar(value)]
+
     def _of_prediction(self, prediction, target, outputs) -> torch.Tensor:
         """A built-in loss (cross-entropy, mean squared error, PyTorch's) of the prediction and target."""
+        if is_list_of_dicts(target):
+            raise ValueError(
+                f"the targets are {describe_value(target)}, one per example, as detection models take them, and the "
+                f"model returned {describe_value(outputs)}: no losses. A detector computes its losses in training "
+                "mode and returns them as a dict of scalar tensors (torchvision's do), which fit sums; or pass "
+                "loss_fn=your function of (outputs, targets)."
+            )
         if prediction is None:
             raise ValueError(
                 f"the model returned {_describe(outputs)}: no prediction (a tensor, 'logits' or 'out') and no 'loss'. "

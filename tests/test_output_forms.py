@@ -3,7 +3,10 @@
 - outputs as the model returns them: a segmentation dict {"out", "aux"} (torchvision's form, and a real
   torchvision model), a VAE's tuple (recon, mu, logvar), a Hugging Face-style classifier's {"loss", "logits"};
   your loss_fn and metrics get them whole, and accuracy appears only where it means something;
-- gk.bench.flops_per_step on a Hugging Face-style batch with an attention mask that the model checks;
+- a model's extra losses are never dropped silently (issue 24 §3): (logits, aux_loss) without a loss_fn
+  warns once per fit, naming the loss_fn that adds them;
+- gk.bench.flops_per_step on a Hugging Face-style batch with an attention mask that the model checks, and on
+  a model that reads its own outputs (counted on a real step, saying so);
 - gk.memory.estimate of recurrent models (LSTM, GRU) against the CPU measurement;
 - activation checkpointing of an nn.Sequential without blocks (an MLP).
 """
@@ -261,6 +264,76 @@ def test_accuracy_only_where_it_means_something(device):
     assert "accuracy" not in labelled  # recon (B, 12) has the shape of class scores for (B,) labels, but is none
 
 
+class MixtureOfExperts(nn.Module):
+    """Two experts and a router, returning (logits, aux_loss): the load-balancing loss of a mixture of experts,
+    which the model leaves for the training loss to add (as Switch Transformer and Mixtral's code do)."""
+
+    def __init__(self, features: int = 6, classes: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router, self.experts = nn.Linear(features, 2), nn.ModuleList(nn.Linear(features, classes) for _ in "ab")
+
+    def forward(self, x):
+        weights = self.router(x).softmax(-1)  # (B, 2)
+        logits = sum(weights[:, i : i + 1] * expert(x) for i, expert in enumerate(self.experts))
+        aux_loss = 2 * (weights.mean(0) ** 2).sum()  # 1 when the experts share the load evenly
+        return logits, aux_loss
+
+
+def moe_data(batches: int = 3) -> list:
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator))] * batches
+
+
+def ignored_warnings(caught) -> list:
+    return [w for w in caught if "leaves out" in str(w.message)]
+
+
+def test_a_tuple_with_an_aux_loss_and_no_loss_fn_warns_once_per_fit_naming_the_fix(device):
+    options = dict(max_steps=3, log_every=1, progress=False, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded: "once" is the kit's doing, not the filter's
+        history = gk.fit(MixtureOfExperts(), moe_data(), **options)
+    (warned,) = ignored_warnings(caught)
+    message = str(warned.message)
+    assert "the model returns a tuple of 2 tensors of shapes (8, 3), (): outputs[1] is a scalar tensor" in message
+    assert "loss_fn=lambda outputs, target: F.cross_entropy(outputs[0], target) + outputs[1]" in message
+    assert warned.filename == __file__  # it points at the fit call
+    model = MixtureOfExperts()
+    inputs, target = moe_data()[0]
+    assert history.steps[0]["loss"] == pytest.approx(F.cross_entropy(model(inputs)[0], target).item())  # CE alone
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        gk.fit(MixtureOfExperts(), moe_data(), **options)
+    assert len(ignored_warnings(again)) == 1  # once per fit: the next fit says it again
+
+
+def test_a_loss_fn_that_adds_the_aux_loss_trains_on_it_without_a_warning(device):
+    def with_balance(outputs, target):
+        logits, aux_loss = outputs
+        return F.cross_entropy(logits, target) + 0.1 * aux_loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = gk.fit(
+            MixtureOfExperts(),
+            moe_data(),
+            loss_fn=with_balance,
+            max_steps=1,
+            log_every=1,
+            progress=False,
+            device=device,
+        )
+    assert ignored_warnings(caught) == []
+    inputs, target = moe_data()[0]
+    expected = with_balance(MixtureOfExperts()(inputs), target).item()
+    assert (
+        history.steps[0]["loss"]
+        == pytest.approx(expected)
+        != pytest.approx(F.cross_entropy(MixtureOfExperts()(inputs)[0], target).item())
+    )
+
+
 def test_memory_accepts_a_dict_without_logits_and_a_tuple_with_your_loss_fn():
     images, masks = segmentation_data(count=8)
     for model, batch, loss_fn in [
@@ -307,14 +380,17 @@ def test_flops_of_a_segmentation_dict_with_your_loss_fn():
     assert gk.bench.flops_per_step(segmenter, (images, masks), loss_fn=segmentation_loss) == counter.get_total_flops()
 
 
-def test_flops_of_a_model_that_reads_its_own_outputs_say_what_to_do():
+def test_flops_of_a_model_that_reads_its_own_outputs_are_counted_on_a_real_step_saying_so():
     class Branching(nn.Linear):
         def forward(self, x):
             y = super().forward(x)
             return y if y.max() > 0 else -y  # a branch on values computed from the weights
 
-    with pytest.raises(ValueError, match="reads a number .* computed from its weights .*FlopCounterMode"):
-        gk.bench.flops_per_step(Branching(4, 3), (torch.randn(2, 4), torch.tensor([0, 1])))
+    model, batch = Branching(4, 3), (torch.randn(2, 4), torch.tensor([0, 1]))
+    with pytest.warns(UserWarning, match="reads a number .* computed from its weights.*counted on a real forward"):
+        flops = gk.bench.flops_per_step(model, batch)
+    assert flops == counted_for_real(model, batch) > 0
+    assert model.weight.grad is None  # a copy ran
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Datasets and loaders: images, text, your own files; loaders that keep data on the device.
 
-images.py    `ImageDataset` (images as one uint8 tensor), `shapes()` (synthetic), `cifar10()`
+images.py    `ImageDataset` (images as one uint8 tensor), `shapes()` (synthetic, with boxes), `cifar10()`;
+             `DetectionDataset` (images with boxes, as a detector takes them)
 folder.py    `image_folder()`: your own JPEG/PNG files in class folders, decoded once and cached
 text.py      `text()`: byte tokens of local text files; `TokenDataset`; `TextLoader`
-loaders.py   `DeviceLoader` (images on the device, augmented there) and `dataloader()` (PyTorch's)
+loaders.py   `DeviceLoader` (images on the device, augmented there) and `dataloader()` (PyTorch's);
+             `collate_lists` (detection batches as lists)
 formats.py   the same images as files, as one uint8 array (memory-mapped); read throughput cold and warm
 shards.py    `write_shards()`, `ShardLoader`: WebDataset tar shards streamed through DataLoader workers
 decoding.py  JPEG decoding with PIL, torchvision on the CPU or the GPU, augmentation in workers or batched
@@ -18,8 +20,8 @@ from .bottleneck import Diagnosis, SlowDataset, diagnose, plot_sweep, sweep
 from .decoding import decode_batch, decode_table
 from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
-from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, ImageDataset, cifar10, shapes
-from .loaders import DeviceLoader, dataloader, random_crop_flip
+from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, DetectionDataset, ImageDataset, cifar10, shapes
+from .loaders import DeviceLoader, collate_lists, dataloader, random_crop_flip
 from .prefetching import CUDAPrefetcher, prefetch
 from .shards import ShardError, ShardLoader, write_shards
 from .timeline import Trace, plot_trace, trace_steps
@@ -30,6 +32,7 @@ __all__ = [
     "CIFAR10_CLASSES",
     "CIFAR10_URL",
     "CUDAPrefetcher",
+    "DetectionDataset",
     "DeviceLoader",
     "Diagnosis",
     "FileImages",
@@ -43,6 +46,7 @@ __all__ = [
     "Trace",
     "VOCAB_SIZE",
     "cifar10",
+    "collate_lists",
     "dataloader",
     "decode",
     "decode_batch",

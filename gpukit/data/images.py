@@ -1,7 +1,8 @@
 """Image datasets kept as one uint8 tensor.
 
-- `ImageDataset`: images (N, C, H, W) as uint8, labels, class names, normalisation.
-- `shapes()`: a synthetic, deterministic, offline 10-class image dataset (32×32 RGB).
+- `ImageDataset`: images (N, C, H, W) as uint8, labels, class names, normalisation; boxes where known.
+- `DetectionDataset`: an ImageDataset with boxes as a detector takes it: (image, {"boxes", "labels"}).
+- `shapes()`: a synthetic, deterministic, offline 10-class image dataset (32×32 RGB), with each shape's box.
 - `cifar10()`: CIFAR-10 through torchvision, stored under `data/`.
 """
 
@@ -47,14 +48,21 @@ class ImageDataset(Dataset):
 
     `mean` and `std` (per channel, in 0..1 units) are what loaders normalise with.
     Indexing returns a normalised float image and its label, like a torchvision dataset.
+    `boxes` (optional, float32 (N, 4)): each image's object as (x1, y1, x2, y2) in pixels, the corners
+    of the smallest box holding it (torchvision's box format); `detection()` serves them to a detector.
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes, mean=None, std=None, transform=None):
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, classes, mean=None, std=None, transform=None, boxes=None
+    ):
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"images must be uint8 of shape (N, C, H, W), got {images.dtype} {tuple(images.shape)}.")
         if labels.shape != (images.shape[0],):
             raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}.")
+        if boxes is not None and boxes.shape != (images.shape[0], 4):
+            raise ValueError(f"boxes must have shape ({images.shape[0]}, 4), got {tuple(boxes.shape)}.")
         self.images = images
+        self.boxes = None if boxes is None else boxes.float()
         self.labels = labels.long()
         self.classes = tuple(classes)
         if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(self.classes)):
@@ -79,7 +87,24 @@ class ImageDataset(Dataset):
 
     def subset(self, count: int) -> ImageDataset:
         """The first `count` images, with this dataset's normalisation."""
-        return ImageDataset(self.images[:count], self.labels[:count], self.classes, self.mean, self.std)
+        return ImageDataset(
+            self.images[:count], self.labels[:count], self.classes, self.mean, self.std, boxes=self._boxes(count)
+        )
+
+    def _boxes(self, index) -> torch.Tensor | None:
+        """The boxes of the images `index` picks (a count from the start, or a tensor of indices), if known."""
+        if self.boxes is None:
+            return None
+        return self.boxes[:index] if isinstance(index, int) else self.boxes[index]
+
+    def detection(self) -> DetectionDataset:
+        """This dataset as a detector takes it: (image, {"boxes", "labels"}); needs boxes (gk.data.shapes has them)."""
+        if self.boxes is None:
+            raise ValueError(
+                "this ImageDataset has no boxes, so it cannot serve a detector: gk.data.shapes() draws its shapes "
+                "with their boxes; for your own images, pass boxes= (N, 4) as (x1, y1, x2, y2) in pixels."
+            )
+        return DetectionDataset(self)
 
     def split(self, held_out: float = 0.2, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
         """(train, held_out) parts, drawn at random within each class so both keep the class balance.
@@ -105,15 +130,45 @@ class ImageDataset(Dataset):
             held_out_index.append(members[:count])
             train_index.append(members[count:])
         train_index, held_out_index = torch.cat(train_index).sort().values, torch.cat(held_out_index).sort().values
-        train = ImageDataset(self.images[train_index], self.labels[train_index], self.classes)
+        train = ImageDataset(
+            self.images[train_index], self.labels[train_index], self.classes, boxes=self._boxes(train_index)
+        )
         held = ImageDataset(
-            self.images[held_out_index], self.labels[held_out_index], self.classes, train.mean, train.std
+            self.images[held_out_index],
+            self.labels[held_out_index],
+            self.classes,
+            train.mean,
+            train.std,
+            boxes=self._boxes(held_out_index),
         )
         return train, held
 
     def __repr__(self) -> str:
         shape = "×".join(map(str, self.images.shape[1:]))
         return f"ImageDataset({len(self)} images of {shape}, {len(self.classes)} classes)"
+
+
+class DetectionDataset(Dataset):
+    """An ImageDataset with boxes, as torchvision's detectors take it: item i is (image, target), the image
+    normalised float (C, H, W), the target {"boxes": float32 (1, 4), "labels": int64 (1,)}: one object per
+    image. Labels are the class + 1: torchvision's detectors keep label 0 for the background, so build them
+    with num_classes = len(dataset.classes) + 1. Batch with DataLoader(..., collate_fn=gk.data.collate_lists),
+    which keeps images and targets as lists (a detector's images may differ in size, its targets in boxes).
+    """
+
+    def __init__(self, images: ImageDataset):
+        self.images = images
+        self.classes = images.classes
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        image, label = self.images[index]
+        return image, {"boxes": self.images.boxes[index : index + 1].clone(), "labels": (label + 1).reshape(1)}
+
+    def __repr__(self) -> str:
+        return f"DetectionDataset({len(self)} images with one box each, {len(self.classes)} classes + background)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +211,23 @@ def _shape_masks(labels: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torc
     return masks
 
 
-def _render_shapes(count: int, generator: torch.Generator, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def _bounding_boxes(mask: torch.Tensor) -> torch.Tensor:
+    """(N, 4) float32 boxes (x1, y1, x2, y2) in pixels around each mask (N, H, W): from the first row and column
+    the shape covers to the end of the last (a pixel spans [i, i + 1))."""
+
+    def span(covered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # covered: (N, L) bool
+        index = torch.arange(covered.shape[1])
+        first = torch.where(covered, index, covered.shape[1]).amin(1)
+        last = torch.where(covered, index, -1).amax(1)
+        return first, last + 1
+
+    (x1, x2), (y1, y2) = span(mask.any(1)), span(mask.any(2))
+    return torch.stack([x1, y1, x2, y2], dim=1).float()
+
+
+def _render_shapes(
+    count: int, generator: torch.Generator, size: int = 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     def uniform(*shape, low=0.0, high=1.0):
         return torch.rand(*shape, generator=generator) * (high - low) + low
 
@@ -187,14 +258,15 @@ def _render_shapes(count: int, generator: torch.Generator, size: int = 32) -> tu
     ramp = slope * (along_x * position[None, None, None, :] + (1 - along_x) * position[None, None, :, None])
     image = torch.where(mask, foreground, background + ramp)
     image = image + torch.randn(count, 3, size, size, generator=generator) * 0.08
-    return (image.clamp(0, 1) * 255).round().to(torch.uint8), labels
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8), labels, _bounding_boxes(mask.squeeze(1))
 
 
 def shapes(train_size: int = 50_000, test_size: int = 10_000, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
     """Synthetic shapes: 10 classes, 32×32 RGB, random position, size, colour and rotation.
 
     Deterministic for a seed and generated offline in a few seconds for 50,000 images.
-    Returns (train, test), normalised with the training set's mean and std.
+    Returns (train, test), normalised with the training set's mean and std. Each image's shape has its box,
+    `dataset.boxes` (N, 4) as (x1, y1, x2, y2) in pixels; `dataset.detection()` serves them to a detector.
     """
     if train_size <= 0 or test_size < 0:
         raise ValueError(f"train_size must be > 0 and test_size >= 0, got {train_size} and {test_size}.")
@@ -204,9 +276,10 @@ def shapes(train_size: int = 50_000, test_size: int = 10_000, seed: int = 0) -> 
         chunks = [_render_shapes(min(4096, count - start), generator) for start in range(0, count, 4096)]
         images = torch.cat([c[0] for c in chunks]) if chunks else torch.empty(0, 3, 32, 32, dtype=torch.uint8)
         labels = torch.cat([c[1] for c in chunks]) if chunks else torch.empty(0, dtype=torch.long)
-        parts.append((images, labels))
-    train = ImageDataset(*parts[0], SHAPE_CLASSES)
-    test = ImageDataset(*parts[1], SHAPE_CLASSES, train.mean, train.std)
+        boxes = torch.cat([c[2] for c in chunks]) if chunks else torch.empty(0, 4)
+        parts.append((images, labels, boxes))
+    train = ImageDataset(*parts[0][:2], SHAPE_CLASSES, boxes=parts[0][2])
+    test = ImageDataset(*parts[1][:2], SHAPE_CLASSES, train.mean, train.std, boxes=parts[1][2])
     return train, test
 
 

@@ -5,6 +5,7 @@
   per-batch host work, which is what the fastest CIFAR-10 training scripts do.
 - `dataloader()`: the standard `torch.utils.data.DataLoader` path (worker processes, pinned
   memory, prefetching, per-image augmentation on the CPU), for comparison.
+- `collate_lists`: a DataLoader's collate_fn that keeps examples as lists, for detection batches.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from ..env import resolve_device
 from .bottleneck import check_workers
 from .images import ImageDataset
 from .tokens import TextLoader, TokenDataset
+
+
+def collate_lists(examples: list[tuple]) -> tuple[list, ...]:
+    """A DataLoader's collate_fn for detection: [(image, target), …] → ([image, …], [target, …]), one list per
+    field, nothing stacked (images may differ in size and targets in their number of boxes). What torchvision's
+    detection references write as `lambda batch: tuple(zip(*batch))`, with lists."""
+    return tuple(list(field) for field in zip(*examples))
 
 
 def random_crop_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator | None) -> torch.Tensor:

@@ -199,6 +199,17 @@ def sum_over_ranks(*values: torch.Tensor | int | float) -> tuple:
     )
 
 
+def names_over_ranks(names: list[str]) -> list[str]:
+    """Every rank's names, each once, in the order rank 0, 1, … first list them: the same list on every rank
+    (one all_gather_object), so that sums named by them can be all-reduced in one order. A rank that saw no
+    batch of the held-out data knows no loss parts or metric columns: it learns them here."""
+    if world_size() == 1:
+        return list(names)
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, list(names))
+    return list(dict.fromkeys(name for rank_names in gathered for name in rank_names))
+
+
 def check_same(value: int, what: str) -> None:
     """Raise on every rank if ranks disagree on an integer (a resume epoch, a step count)."""
     if world_size() == 1:

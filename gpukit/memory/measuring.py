@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -175,11 +176,21 @@ def does_not_fit(batch: Batch, error: Exception) -> ValueError:
     )
 
 
-def _cannot_simulate(error: Exception) -> ValueError:
-    return ValueError(
+class CannotSimulateError(ValueError):
+    """Fake tensors cannot run the model: an operation's result depends on tensor values. `reason` says which,
+    without the advice that follows it in the message."""
+
+    def __init__(self, reason: str, advice: str = ""):
+        super().__init__(reason + advice)
+        self.reason = reason
+
+
+def _cannot_simulate(error: Exception) -> CannotSimulateError:
+    return CannotSimulateError(
         f"the model runs an operation that fake tensors cannot simulate ({type(error).__name__}: "
         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}), usually one whose result depends on "
-        "tensor values; measure it with gk.memory.breakdown() on a small batch instead."
+        "tensor values",
+        "; measure it with gk.memory.breakdown() on a small batch instead.",
     )
 
 
@@ -342,3 +353,28 @@ def breakdown(
         optimizer=optimizer_name,
         **fields,
     )
+
+
+def measured_instead(
+    model: nn.Module, batch: Batch, sizes: list[int], reason: str, *, device: torch.device, **options
+) -> list[MemoryBreakdown]:
+    """What gk.memory.estimate gives where fake tensors cannot run the model: one real training step measured
+    (breakdown(), on a copy of the model) per batch size, the sample's examples taken in turn to make each size
+    (real values: a detector's boxes stay boxes), on the device the prediction was for. A warning says so, and
+    each result's `source` says why."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{reason}; a real step could be measured instead, but there is no CUDA device here: measure it on the "
+            "GPU machine, or here with device='cpu'."
+        )
+    warnings.warn(
+        f"gk.memory.estimate: {reason}; measured one real training step per batch size on {device} instead (a copy "
+        "of your model trained for two steps, as breakdown() does: yours is unchanged).",
+        stacklevel=3,
+    )
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # a detector samples proposals: not from yours
+        results = [breakdown(model, batch.repeated(size), device=device, **options) for size in sizes]
+    for result in results:
+        result.source += f" (instead of a prediction: {reason})"
+    return results

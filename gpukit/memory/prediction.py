@@ -15,7 +15,7 @@ from ..step import Batch, Loss, TrainStep, training_mode
 from ..validation import is_int
 from .counting import CUDA_BLOCK, LiveTensors
 from .fused_workspaces import FusedWorkspaces
-from .measuring import MeasuredStep, build_optimizer, check_model, sample_batch
+from .measuring import CannotSimulateError, MeasuredStep, build_optimizer, check_model, measured_instead, sample_batch
 from .parts import MemoryBreakdown
 
 
@@ -137,6 +137,10 @@ def estimate(
     CPU's operators, with CUDA's 512-byte allocation blocks). With `batch_sizes`, returns one
     prediction per batch size (only the batch dimension of the sample changes), else one for
     the sample's batch size. Your model is not changed.
+
+    Where fake tensors cannot run the model (an operation whose result depends on values: a detector's
+    non-maximum suppression; and any detection batch, whose boxes are values), one real step per batch
+    size is measured instead, as breakdown() measures it, with a warning; each result's `source` says so.
     """
     check_model(model)
     batch = sample_batch(model, batch, labels)
@@ -145,19 +149,16 @@ def estimate(
     sizes = [batch.size] if batch_sizes is None else list(batch_sizes)
     if not sizes or not all(is_int(size) and size >= 1 for size in sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}.")
-    predictions = [
-        predict(
-            model,
-            batch,
-            size,
-            optimizer=optimizer,
-            precision=precision,
-            target=target,
-            loss_fn=loss_fn,
-            set_to_none=set_to_none,
-        )
-        for size in sizes
-    ]
+    options = {"optimizer": optimizer, "precision": precision, "loss_fn": loss_fn, "set_to_none": set_to_none}
+    try:
+        if batch.target_to_model:  # a detection batch: zeros for boxes are no boxes, resized lists no examples
+            raise CannotSimulateError(
+                "fake tensors carry no values, and a detection batch's boxes and its model's data-dependent "
+                "operations (proposal sampling, non-maximum suppression) need real ones"
+            )
+        predictions = [predict(model, batch, size, target=target, **options) for size in sizes]
+    except CannotSimulateError as error:  # measured on a real step instead, saying so
+        predictions = measured_instead(model, batch, sizes, error.reason, device=target, **options)
     return predictions[0] if batch_sizes is None else predictions
 
 

@@ -5,7 +5,9 @@
     check_eval_data      eval_data's first batch through the model (no gradients, eval mode), with the loss
                          and the metrics, before the first step: not after the first epoch has trained;
     check_first_batch    floating-point inputs of another dtype than the model's weights, named both;
-    check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand is a problem in the data.
+    check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand is a problem in the data;
+    warn_if_scalars_ignored  at the first step: scalar tensors the model returns beside its prediction (an
+                         auxiliary loss) that the loss leaves out, said once per fit.
 
 eval_data is checked with one real forward rather than on the meta device or with fake tensors: those
 cannot run what depends on values (an attention mask read with .item(), boolean indexing, Python control
@@ -18,17 +20,18 @@ from __future__ import annotations
 import numbers
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from torch.utils.data import Dataset
 
 from .. import distributed
 from ..precision import Precision
-from ..step import Batch, Loss, training_mode
+from ..step import Batch, Loss, describe_value, training_mode, unpack_outputs
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -130,7 +133,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
         try:
             loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
             with precision.autocast():
-                value = loss(outputs, batch.target)
+                value = loss.of_evaluation(outputs, batch.target)
             Tally(device, loss, metrics).add(batch, value, outputs)
         except torch.OutOfMemoryError:
             raise
@@ -178,7 +181,8 @@ def check_first_batch(model: nn.Module, batch: Batch, precision: Precision, devi
 def dtype_mismatch(model: nn.Module, batch: Batch) -> str:
     """A sentence naming both dtypes where the batch's floating-point inputs differ from the model's weights."""
     weights = next((parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()), None)
-    inputs = {t.dtype for t in tree_leaves((batch.args, batch.kwargs)) if _is_float_tensor(t) and t is not batch.target}
+    targets = {id(t) for t in tree_leaves(batch.target)}  # a detection target's boxes are no inputs
+    inputs = {t.dtype for t in tree_leaves((batch.args, batch.kwargs)) if _is_float_tensor(t) and id(t) not in targets}
     if weights is None or not inputs or inputs == {weights}:
         return ""
     data = sorted(str(dtype).removeprefix("torch.") for dtype in inputs)
@@ -216,10 +220,12 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int) -> None:
 
 
 def _named_float_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """Floating-point tensors by name ("input 0", "input 0[2]" for a list's third image, "the target[1]['boxes']")."""
     named = [(f"input {index}", t) for index, t in enumerate(batch.args)]
     named += [(f"input {key!r}", t) for key, t in batch.kwargs.items() if t is not batch.target]
     named.append(("the target", batch.target))
-    return [(name, t) for name, t in named if _is_float_tensor(t)]
+    leaves = [(f"{name}{keystr(path)}", t) for name, value in named for path, t in tree_flatten_with_path(value)[0]]
+    return [(name, t) for name, t in leaves if _is_float_tensor(t)]
 
 
 def _is_float_tensor(value) -> bool:
@@ -231,12 +237,33 @@ def describe(batch: Batch) -> str:
 
     def shown(tensor) -> str:
         if not isinstance(tensor, torch.Tensor):
-            return type(tensor).__name__
+            return describe_value(tensor)  # a list of images, a list of target dicts
         return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
     inputs = [shown(t) for t in batch.args] + [f"{key}={shown(t)}" for key, t in batch.kwargs.items()]
     target = f", target {shown(batch.target)}" if batch.target is not None and "labels" not in batch.kwargs else ""
     return f"input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)}{target}"
+
+
+def warn_if_scalars_ignored(loss: Loss, outputs) -> None:
+    """Scalar tensors the model returns beside its prediction that the loss leaves out (a mixture of experts'
+    load-balancing loss in (logits, aux_loss)): said once, at fit's first step, with the loss_fn that adds them."""
+    ignored = loss.ignored_scalars(outputs)
+    if not ignored:
+        return
+    prediction = unpack_outputs(outputs)[0]
+    items = enumerate(outputs) if isinstance(outputs, (tuple, list)) else outputs.items()
+    predicted = next(f"outputs[{key!r}]" for key, value in items if value is prediction)
+    function = {"cross_entropy": "F.cross_entropy", "mse": "F.mse_loss"}.get(loss.name, loss.name)
+    scalars = [f"outputs{key}" for key in ignored]
+    what = f"{scalars[0]} is a scalar tensor" if len(scalars) == 1 else f"{', '.join(scalars)} are scalar tensors"
+    warnings.warn(
+        f"the model returns {describe_value(outputs)}: {what} (an auxiliary loss?) that the loss leaves out: it is "
+        f"{loss.name} of the prediction {predicted} alone. To train on {' + '.join(scalars)} too, pass "
+        f"loss_fn=lambda outputs, target: {function}({predicted}, target) + {' + '.join(scalars)} (your loss_fn gets "
+        "the outputs whole); if they are no losses, ignore this warning.",
+        stacklevel=6,  # fit's caller: here ← _micro_step ← _train_epoch ← _train ← fit ← caller
+    )
 
 
 def _random_state_kept(device: torch.device):

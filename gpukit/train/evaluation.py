@@ -35,6 +35,16 @@ def evaluate(
 
     Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and "tokens"
     for sequence data}. The loss and metrics are means over samples; accuracy is over scored targets.
+    A model that returns a dict of losses gets one entry per loss too ("loss_classifier", …).
+
+    Detection (batches (images, targets), targets a list of dicts): the model is called as
+    model(images, targets) in eval mode, as in training. torchvision's detectors then return their
+    detections (a list of dicts of "boxes", "labels", "scores"), not losses: they compute losses only in
+    training mode, where they also sample proposals at random and (with BatchNorm) update statistics, so
+    evaluate does not switch to it: there is no "loss" entry, and `metrics` must be given, each a function
+    of (detections, targets) returning a number or a dict of numbers (an entry "<name>_<key>" each) per
+    batch, averaged over images. A statistic over the whole set that is no mean of batches (torchmetrics'
+    MeanAveragePrecision) takes one batch holding every image, or your own loop over model(images).
 
     over_ranks: in a distributed job, every rank takes every world_size-th batch and the sums are
         added over the ranks (one all-reduce), so every rank returns the same figures, those of the
@@ -60,7 +70,7 @@ def evaluate(
             batch = batch_on_device(raw, device, channels_last)
             with precision.autocast():
                 outputs = batch.call(model)
-                value = loss(outputs, batch.target)
+                value = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
             tally.add(batch, value, outputs)
     if split:
         tally.over_ranks()

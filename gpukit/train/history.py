@@ -21,13 +21,17 @@ class History:
     """What a run measured.
 
     steps:  one row per logged window of `log_every` optimizer steps: step (the last in the
-            window), epoch, loss (mean over the window), lr, step_time (s, mean over the window),
+            window), epoch, loss (mean over the window), each of the model's own losses where it
+            returns a dict of them (a detector's loss_classifier, loss_box_reg, …: their sum is the
+            loss), lr, step_time (s, mean over the window),
             samples_per_second (all ranks), and tokens_per_second for token sequences, (B, T)
             integer targets (scored target tokens; a segmentation's (B, H, W) pixels are not tokens:
             its samples are images, counted by samples_per_second).
     epochs: one row per epoch: epoch, train_loss, then train_accuracy where accuracy means
-            something (integer targets scored with cross-entropy), train_<name> for each of your
-            metrics; the same with eval_ when there is held-out data; peak_memory (bytes allocated
+            something (integer targets scored with cross-entropy), train_<loss part> for each of the
+            model's own losses, train_<name> for each of your metrics (a metric returning a dict:
+            train_<name>_<key>); the same with eval_ when there is held-out data (a detector in eval
+            mode computes no loss: no eval_loss, and its metrics are eval_ columns alone); peak_memory (bytes allocated
             on a CUDA device; None where not measured) and seconds (training only); with
             fit(monitor=True), what was measured of energy_j, joules_per_sample, co2_grams,
             mean_power_w, mean_utilization (%) and throttle_reasons.

@@ -32,11 +32,18 @@ from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_me
 from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedule
 from ..precision import Precision, get_precision
 from ..runfile import run_environment
-from ..step import Batch, Loss, TrainStep
+from ..step import Batch, Loss, TrainStep, loss_parts
 from ..validation import check_int, check_number
 from ..widgets import Progress
 from .checkpoint import Checkpointer, warn_if_order_cannot_be_saved
-from .checks import NonFiniteLossError, check_arguments, check_eval_data, check_finite_inputs, check_first_batch
+from .checks import (
+    NonFiniteLossError,
+    check_arguments,
+    check_eval_data,
+    check_finite_inputs,
+    check_first_batch,
+    warn_if_scalars_ignored,
+)
 from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
 from .history import History
@@ -81,7 +88,9 @@ def fit(
     train_data: a Dataset (an ImageDataset gets the device-resident DeviceLoader, a TokenDataset
         the TextLoader), a DataLoader, a device-resident loader, or any re-iterable of batches
         (len() optional). Batches and model outputs of any form in gpukit.step: (inputs, target),
-        dict batches for model(**batch); outputs a tensor, a tuple, a dict or a Hugging Face-style object.
+        dict batches for model(**batch), (images, targets) with targets a list of dicts for
+        model(images, targets) (torchvision's detectors); outputs a tensor, a tuple, a dict (a dict of
+        scalar losses is summed, each logged as a column) or a Hugging Face-style object.
     epochs, max_steps: passes over the data, and an optional cap on optimizer steps (needed for
         data without len() unless the schedule is constant).
     batch_size: the micro-batch, for a Dataset (a loader brings its own); `accumulate=k` sums
@@ -114,6 +123,8 @@ def fit(
         for (B, H, W)); not with a model's own loss over sequences (it may shift its labels), nor
         from a tuple that your own loss_fn gets (a VAE's reconstruction is no class scores). eval_data's
         first batch, the loss and the metrics are tried before the first step (gpukit.train.checks).
+        Scalar tensors the model returns beside its prediction ((logits, aux_loss)) are not in a
+        loss computed from the prediction: a warning at the first step names the loss_fn that adds them.
     progress, live_plot, log_every: a progress bar (and live curves) in the notebook; a History
         row every log_every optimizer steps (one host-device synchronisation each).
     checkpoint_dir, save_every: the run is saved there (atomically, with a checksum) after every epoch,
@@ -313,6 +324,7 @@ class _Run:
     watcher: Monitor | None = None
     micro_batch_size: int | None = None  # samples per micro-batch: the loader's, else read from the first batch
     seen_a_batch: bool = False
+    seen_outputs: bool = False  # whether the model's outputs were looked at once (warn_if_scalars_ignored)
     start_epoch: int = 0
     step_index: int = 0  # optimizer steps taken
     phase: str = "loading data"  # what an out-of-memory error is reported as happening in
@@ -474,8 +486,11 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
         loss, outputs, _ = run.step.forward(batch)
         run.phase = "backward"
         run.step.backward(loss)
+    if not run.seen_outputs:
+        run.seen_outputs = True
+        warn_if_scalars_ignored(run.loss, outputs)
     tally.add(batch, loss, outputs)
-    window.add(batch, loss)
+    window.add(batch, loss, loss_parts(outputs))
     run.phase = "loading data"
 
 
@@ -532,8 +547,11 @@ class _Window:
         self.micro_batches = self.samples = self.steps = 0
         self.started = time.perf_counter()
 
-    def add(self, batch: Batch, loss: torch.Tensor) -> None:
+    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each)."""
         self.sums.add("loss", loss)
+        for name, part in parts.items():
+            self.sums.add(name, part)
         self.micro_batches += 1
         self.samples += batch.size
         if batch.is_sequence:
@@ -545,10 +563,11 @@ class _Window:
         self.sums.over_ranks()
         sums, ranks = self.sums.read(), distributed.world_size()
         elapsed = time.perf_counter() - self.started  # after the synchronisation: the GPU's work is done
+        mean = {name: value / (ranks * self.micro_batches) for name, value in sums.items() if name != "tokens"}
         row = {
             "step": step,
             "epoch": epoch,
-            "loss": sums["loss"] / (ranks * self.micro_batches),
+            **mean,  # the loss, then each of the model's own losses (a dict of them)
             "lr": lr,
             "step_time": elapsed / self.steps,
             "samples_per_second": self.samples * ranks / elapsed,

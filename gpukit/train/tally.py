@@ -9,13 +9,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .. import distributed
-from ..step import Batch, Loss, unpack_outputs
+from ..step import Batch, Loss, describe_value, loss_parts, only_losses, unpack_outputs
 
-RESERVED = ("loss", "accuracy", "samples", "tokens")
+RESERVED = ("loss", "accuracy", "samples", "tokens", "correct", "scored")  # columns, and the Tally's own sums
 
 
 def check_metrics(metrics) -> dict[str, Callable]:
-    """{name: fn(outputs, target) -> number}: names that make columns, functions that can be called."""
+    """{name: fn(outputs, target) -> number, or a dict of numbers}: names that make columns, functions that can be
+    called."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
@@ -34,7 +35,12 @@ def check_metrics(metrics) -> dict[str, Callable]:
 
 
 def check_metric_value(name: str, value) -> None:
-    """One number per batch, as a metric must return: checked on the first batch, before the first optimizer step."""
+    """One number per batch, or a dict of numbers, as a metric must return: checked on the first batch, before
+    the first optimizer step."""
+    if isinstance(value, Mapping) and value:
+        for key, item in value.items():
+            check_metric_value(f"{name}[{key!r}]", item)
+        return
     if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1):
         return
     if value is None:
@@ -45,25 +51,42 @@ def check_metric_value(name: str, value) -> None:
         got = f"a {type(value).__name__}"
     raise ValueError(
         f"metric {name!r} returned {got}; a metric returns one number per batch (a Python number or a one-element "
-        "tensor), e.g. lambda outputs, target: (outputs - target).abs().mean()."
+        "tensor), or a dict of them (a column each), e.g. lambda outputs, target: (outputs - target).abs().mean()."
+    )
+
+
+def _nothing_to_report(outputs) -> str:
+    return (
+        f"evaluation has nothing to report: the model returned {describe_value(outputs)} in eval mode, which holds "
+        "no loss (no 'loss', no dict of losses) and no prediction to score, and no metrics were given. torchvision's "
+        "detectors return their detections in eval mode and compute their losses only in training mode: pass "
+        "metrics={'name': fn(outputs, targets)}, a number or a dict of numbers per batch (e.g. the share of "
+        "images whose best box overlaps a target box)."
     )
 
 
 class RunningSums:
     """Named sums kept on the device in float64: adding never waits for the GPU, `read()` waits once,
-    and `over_ranks()` adds them up across a distributed job in one all-reduce."""
+    and `over_ranks()` adds them up across a distributed job in one all-reduce. A name is added the first
+    time a value is."""
 
     def __init__(self, device: torch.device, names):
-        zero = torch.zeros((), device=device, dtype=torch.float64)
-        self.values = {name: zero.clone() for name in names}
+        self.zero = torch.zeros((), device=device, dtype=torch.float64)
+        self.values = {name: self.zero.clone() for name in names}
 
     def add(self, name: str, value) -> None:
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(()).to(torch.float64)
+        if name not in self.values:
+            self.values[name] = self.zero.clone()
         self.values[name] += value
 
-    def over_ranks(self, *counts: int) -> tuple[int, ...]:
-        """Sum every value, and the host-side `counts` given, over all ranks; returns the counts' sums."""
+    def over_ranks(self, *counts: int, names_may_differ: bool = False) -> tuple[int, ...]:
+        """Sum every value, and the host-side `counts` given, over all ranks; returns the counts' sums.
+        `names_may_differ`: a rank may not have seen every name (no batch at all): agree on them first."""
+        if names_may_differ:
+            names = distributed.names_over_ranks(list(self.values))
+            self.values = {name: self.values.get(name, self.zero.clone()) for name in names}
         values = distributed.sum_over_ranks(*self.values.values(), *counts)
         self.values = dict(zip(self.values, values[: len(self.values)]))
         return tuple(values[len(self.values) :])
@@ -75,10 +98,15 @@ class RunningSums:
 class Tally:
     """Loss, accuracy, metrics and tokens over a pass of the data (`fit`'s epochs, `evaluate`).
 
-    The loss and each metric are averaged over samples, weighted by batch size; accuracy is
-    correct over scored targets (token accuracy for sequences, targets equal to -100 not
-    scored). Whether accuracy applies is decided at the first batch (Loss.tracks_accuracy). Metrics
-    get the outputs as the model returned them (no gradients are recorded).
+    The loss, each of the model's losses (a dict of scalars: gpukit.step.loss_parts) and each metric are
+    averaged over samples, weighted by batch size; accuracy is correct over scored targets (token accuracy
+    for sequences, targets equal to -100 not scored). Whether accuracy applies is decided at the first batch
+    (Loss.tracks_accuracy). Metrics get the outputs as the model returned them (no gradients are recorded);
+    a metric that returns a dict gives a column per key, named `<metric>_<key>`. Outputs that are only losses
+    (a detector in training mode) hold nothing for a metric to measure: metrics skip them, so a detector's
+    metrics are columns of its evaluation alone. The loss is None where there
+    is none to compute (a detector's detections in eval mode): then there is no loss column, and metrics
+    must be given.
     """
 
     def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable]):
@@ -87,16 +115,21 @@ class Tally:
         self.accuracy: bool | None = None
         self.samples = 0
         self.sequences = False  # whether tokens were counted (sequence data)
-        self.sums = RunningSums(device, ["loss", "correct", "scored", "tokens", *metrics])
+        self.sums = RunningSums(device, ["correct", "scored", "tokens"])  # "loss", parts, metrics: when first seen
 
-    def add(self, batch: Batch, loss: torch.Tensor, outputs) -> None:
+    def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> None:
         """One batch: its loss, and what the model returned, as it returned it (metrics get that)."""
         first = self.accuracy is None
         if first:
             self.accuracy = self.loss.tracks_accuracy(batch, outputs)
+            if loss is None and not self.metrics:
+                raise ValueError(_nothing_to_report(outputs))
         size = batch.size
         self.samples += size
-        self.sums.add("loss", loss.detach() * size)
+        if loss is not None:
+            self.sums.add("loss", loss.detach() * size)
+        for name, part in loss_parts(outputs).items():
+            self.sums.add(name, part * size)
         if self.accuracy:
             prediction, _ = unpack_outputs(outputs)
             correct, scored = self.loss.correct(prediction.detach(), batch.target)
@@ -105,31 +138,35 @@ class Tally:
         if batch.is_sequence:
             self.sequences = True
             self.sums.add("tokens", batch.count_tokens())
-        if self.metrics:
-            with torch.no_grad():
-                for name, fn in self.metrics.items():
-                    value = fn(outputs, batch.target)
-                    if first:
-                        check_metric_value(name, value)
-                    self.sums.add(name, value * size)
+        if only_losses(outputs):
+            return  # a detector's training outputs: its losses (columns above), no prediction to measure
+        with torch.no_grad():
+            for name, fn in self.metrics.items():
+                value = fn(outputs, batch.target)
+                if first:
+                    check_metric_value(name, value)
+                values = {f"{name}_{key}": item for key, item in value.items()} if isinstance(value, Mapping) else {}
+                for column, item in (values or {name: value}).items():
+                    self.sums.add(column, item * size)
 
     def over_ranks(self) -> None:
-        """Add up every rank's sums and samples (one all-reduce). Whether accuracy applies and whether tokens
-        were counted travel with them: a rank that saw no batch learns them from the others, and every rank
-        reports the same columns."""
+        """Add up every rank's sums and samples (one all-reduce, after agreeing on the names of the sums). Whether
+        accuracy applies and whether tokens were counted travel with them: a rank that saw no batch learns them
+        from the others, and every rank reports the same columns."""
         self.samples, self.accuracy, self.sequences = self.sums.over_ranks(
-            self.samples, bool(self.accuracy), self.sequences
+            self.samples, bool(self.accuracy), self.sequences, names_may_differ=True
         )
 
     def read(self, prefix: str = "", tokens: bool = False) -> dict:
-        """{prefix + "loss", prefix + "accuracy" (if it applies), prefix + each metric, and with `tokens` the
-        scored tokens of sequence data}: one synchronisation."""
+        """{prefix + "loss" (where there is one), prefix + "accuracy" (if it applies), prefix + each of the model's
+        losses and each metric, and with `tokens` the scored tokens of sequence data}: one synchronisation."""
         values = self.sums.read()
         samples = max(self.samples, 1)
-        row = {f"{prefix}loss": values["loss"] / samples}
+        row = {f"{prefix}loss": values["loss"] / samples} if "loss" in values else {}
         if self.accuracy:
             row[f"{prefix}accuracy"] = values["correct"] / values["scored"] if values["scored"] else None
-        row |= {f"{prefix}{name}": values[name] / samples for name in self.metrics}
+        counts = ("loss", "correct", "scored", "tokens")
+        row |= {f"{prefix}{name}": value / samples for name, value in values.items() if name not in counts}
         if tokens and self.sequences:
             row[f"{prefix}tokens"] = int(values["tokens"])
         return row

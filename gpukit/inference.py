@@ -32,6 +32,7 @@ class InferenceRow:
     latency: float  # seconds per batch (median of the repeats)
     throughput: float  # examples per second: batch_size / latency
     spread: float  # interquartile range of the latency, seconds
+    best: float  # the fastest batch, seconds: the least disturbed by other work on a busy machine
 
 
 def measure(
@@ -78,4 +79,4 @@ def measure(
         calls[batch_size] = forward
     # Interleaved (1, 8, 64, 1, 8, 64, ...): drift and other load affect every batch size alike.
     timings = compare(calls, device=device, warmup=warmup, repeats=repeats)
-    return [InferenceRow(name, b, t.median, b / t.median, t.iqr) for b, t in timings.items()]
+    return [InferenceRow(name, b, t.median, b / t.median, t.iqr, t.min) for b, t in timings.items()]

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -235,6 +236,7 @@ def test_badges_and_install_cells_are_built_from_the_one_repository_url():
     assert open_in.main(check=True) == 0, "run python tools/open_in.py"
     repo = _repository().removeprefix("https://github.com/")
     readme = (ROOT / "README.md").read_text()
+    assert set(re.findall(r"git\+(https://github\.com/[\w.-]+/[\w.-]+)", readme)) == {_repository()}  # pip install line
     for lesson in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(lesson.read_text())["cells"]
         title = "".join(cells[0]["source"])

@@ -83,13 +83,20 @@ def _check_repeats(warmup: int, repeats: int) -> None:
 
 
 def timeit(
-    fn: Callable[[], object], *, device: torch.device | str | None = "cpu", warmup: int = 2, repeats: int = 10
+    fn: Callable[[], object],
+    *,
+    device: torch.device | str | None = "cpu",
+    warmup: int = 2,
+    repeats: int = 10,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Timing:
     """Time `fn()` on `device`: `warmup` untimed calls, then `repeats` timed calls.
 
     On CUDA each call is bracketed by CUDA events, read after one final synchronisation,
     so the host never stalls between calls; elsewhere the device is synchronised around
-    a perf_counter reading.
+    a reading of `clock` (seconds). `clock=time.thread_time` counts only the CPU time of the
+    calling thread, which other processes on a busy machine do not inflate: right for CPU work
+    on one thread (torch.set_num_threads(1)), wrong for anything that runs on other threads.
     """
     _check_repeats(warmup, repeats)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -108,10 +115,10 @@ def timeit(
         return Timing([start.elapsed_time(end) / 1e3 for start, end in events])  # elapsed_time is in ms
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         fn()
         synchronize(device)
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
     return Timing(times)
 
 
@@ -121,9 +128,10 @@ def compare(
     device: torch.device | str | None = "cpu",
     warmup: int = 2,
     repeats: int = 10,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Timing]:
     """Time several functions interleaved (A, B, A, B, …) so drift (clocks, heat, other load)
-    affects all of them alike. Returns each one's Timing; compare with `ratios`."""
+    affects all of them alike. Returns each one's Timing; compare with `ratios`. `clock` as in timeit."""
     _check_repeats(warmup, repeats)
     for fn in fns.values():
         for _ in range(warmup):
@@ -131,7 +139,7 @@ def compare(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name] += timeit(fn, device=device, warmup=0, repeats=1).times
+            times[name] += timeit(fn, device=device, warmup=0, repeats=1, clock=clock).times
     return {name: Timing(values) for name, values in times.items()}
 
 
@@ -154,9 +162,10 @@ def matmul_tflops(
     *,
     repeats: int = 10,
     warmup: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Measured TFLOP/s of an n×n @ n×n matmul (2·n³ floating-point operations) in the number format of
-    `precision` ("fp32", "tf32", "bf16-mixed", "fp16-mixed": the names fit takes)."""
+    `precision` ("fp32", "tf32", "bf16-mixed", "fp16-mixed": the names fit takes). `clock` as in timeit."""
     dtype = matmul_format(precision)
     if dtype not in _DTYPES:
         raise ValueError(f"precision={precision!r} has no matmul benchmark here; use one of {', '.join(PRECISIONS)}.")
@@ -171,7 +180,7 @@ def matmul_tflops(
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
     try:
-        timing = timeit(lambda: a @ b, device=device, warmup=warmup, repeats=repeats)
+        timing = timeit(lambda: a @ b, device=device, warmup=warmup, repeats=repeats, clock=clock)
     finally:
         torch.set_float32_matmul_precision(previous)
     return 2 * n**3 / timing.median / 1e12

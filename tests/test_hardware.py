@@ -10,9 +10,12 @@ import pytest
 import torch
 
 import gpukit as gk
-from gpukit.hardware import GPU, GPUS, Monitor, MonitorUnavailable, add_gpu, find_gpu, get_gpu, reset_gpus
+from gpukit.bench import Timing
+from gpukit.hardware import GPU, GPUS, Monitor, MonitorUnavailable, add_gpu, find_gpu, get_gpu, planning, reset_gpus
 from gpukit.hardware.contention import ContentionResult
 from gpukit.hardware.monitor import Segment, joules_to_co2_grams
+from gpukit.hardware.planning import calibration_sizes
+from gpukit.memory.measuring import sample_batch
 
 
 @pytest.fixture(autouse=True)
@@ -164,6 +167,85 @@ def test_plan_bad_input():
     # Nothing fits when almost all memory is kept free: say by how much, and what would help.
     with pytest.raises(ValueError, match=r"largest GPU in the table, the H100 SXM.*short.*checkpointing"):
         gk.hardware.plan(model, batch, gpus=["T4", "H100 SXM"], mfu=0.5, margin=0.9999999, precision="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# plan's prediction on the machine present: a line through steps timed at two other batch sizes
+
+
+def test_calibration_sizes_never_time_the_planned_batch():
+    for size in range(1, 300):
+        small, large = calibration_sizes(size)
+        assert 2 <= small < large and size not in (small, large), (size, small, large)
+    assert calibration_sizes(64) == (8, 48) and calibration_sizes(16) == (2, 12)
+    assert calibration_sizes(3) == (6, 12)  # too small to split: twice and four times it
+
+
+def _timed_on_a_line(fixed: float, per_example: float, size: int, planned: float):
+    """A stand-in for gk.bench.compare: a step of b examples takes fixed + b × per_example seconds, but the
+    one at the planned batch `size` takes `planned`, which no prediction may read."""
+
+    def compare(steps, **options):
+        assert set(steps) == {size, *calibration_sizes(size)}, list(steps)
+        return {b: Timing([planned if b == size else fixed + b * per_example] * 3) for b in steps}
+
+    return compare
+
+
+def _measure_on_a_test_cpu(monkeypatch, model, batch, fixed: float, per_example: float, planned: float):
+    """plan's measurement here (MFU, source, check) with steps timed on a line (see _timed_on_a_line) against a
+    peak of 2 TFLOP/s, and a count of 1 GFLOP per example: nothing is timed for real."""
+    sample = sample_batch(model, batch)
+    monkeypatch.setattr(planning, "_present_machine", lambda device, precision, clock: ("a test CPU", 2.0))
+    monkeypatch.setattr(planning, "compare", _timed_on_a_line(fixed, per_example, sample.size, planned))
+    return planning._measure(model, sample, 1e9 * sample.size, "adamw", "bf16-mixed", "cpu", None, 9)
+
+
+@pytest.mark.parametrize("make", [_cnn_batch, _gpt_batch], ids=["cnn", "gpt"])
+def test_plan_predicts_the_planned_batch_from_the_other_two(monkeypatch, make):
+    model, batch = make()
+    size = len(batch[1])
+    line = 0.01 + size * 0.002  # seconds: 10 ms per step and 2 ms per example
+    for planned in (0.5 * line, 3 * line):  # whatever the planned step took, the prediction is the line's
+        mfu, source, check = _measure_on_a_test_cpu(monkeypatch, model, batch, 0.01, 0.002, planned)
+        assert check["predicted ms"] == pytest.approx(line * 1e3)
+        assert check["measured ms"] == pytest.approx(planned * 1e3)
+        assert check["error"] == pytest.approx(line / planned - 1)
+        assert check["fixed ms"] == pytest.approx(10) and check["ms per example"] == pytest.approx(2)
+        # The MFU is the line's slope: the 1 GFLOP an example adds, in the 2 ms it adds, against 2 TFLOP/s.
+        assert mfu == pytest.approx(1e9 / 0.002 / 2e12)
+        assert "more per example" in source and check["clock"] == "thread CPU time"
+
+
+def test_plan_of_a_step_that_does_not_grow_with_the_batch(monkeypatch):
+    """Launch-bound steps (a tiny model on a big GPU) take the same time at every batch: the line is flat and
+    has no FLOP rate to read, so the MFU is that of whole steps at the larger timed batch, said in the source."""
+    model, batch = _cnn_batch()
+    _, large = calibration_sizes(len(batch[1]))
+    mfu, source, check = _measure_on_a_test_cpu(monkeypatch, model, batch, 0.01, 0.0, 0.01)
+    assert check["predicted ms"] == pytest.approx(10) and check["error"] == pytest.approx(0)
+    assert mfu == pytest.approx(1e9 * large / 0.01 / 2e12) and "barely grows with the batch" in source
+
+
+def _lesson_cnn():  # lesson 07's models at the tiny profile's sizes, where the ±25% below was measured
+    torch.manual_seed(0)
+    return gk.models.fast_cnn(8), (torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))
+
+
+def _lesson_gpt():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (16, 65))
+    return gk.models.gpt(width=64, depth=2, heads=4, max_seq_len=64), (tokens[:, :-1], tokens[:, 1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_lesson_cnn, _lesson_gpt], ids=["cnn", "gpt"])
+def test_plan_predicts_a_real_step_on_a_cpu_within_a_quarter(make):
+    """Real steps on one CPU thread, timed by its CPU time: the line through batches of an eighth and three
+    quarters of the planned one predicts the planned step within ±25% (-16% to +8% seen on a busy 2-core machine)."""
+    model, batch = make()
+    plan = gk.hardware.plan(model, batch, gpus=["H100 SXM"], device="cpu")
+    assert abs(plan.check["error"]) <= 0.25, plan.check
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Which GPU for your model: what fits, the largest batch, step time, and the time and cost of a run.
 
-Memory comes from gk.memory (fake tensors: nothing runs), step time from a roofline: the step's
-FLOPs against the GPU's dense peak at a stated MFU, its memory traffic against the GPU's
-bandwidth, and its kernel launches against a stated launch latency, whichever takes longest. On the machine present, `plan` measures the MFU and checks the
-model against a real run at another batch size, so you see how far to trust the prediction.
+Memory comes from gk.memory (fake tensors: nothing runs), step time from a roofline: a step takes at
+least as long as its slowest limit, so the prediction is the longest of three times: its FLOPs at the
+GPU's dense peak times a stated MFU, its memory traffic at the GPU's bandwidth, and its kernel launches
+at a stated launch latency. On the machine present, `plan` times real steps at two batch sizes other
+than yours: a line through them gives a fixed time per step and a time per example, whose FLOP rate
+against the peak is the MFU. From that line it predicts a step at your batch, and times one there too
+(plan.check), so you see how far to trust what it measured.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import copy
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,14 +83,6 @@ def step_traffic(memory: MemoryBreakdown) -> int:
     the optimizer (3×), gradients written and read (2×), optimizer state read and written (2×).
     Kernels re-read intermediate tensors too, so real traffic is higher: a lower bound."""
     return 2 * memory.activations + 3 * memory.params + 2 * memory.grads + 2 * memory.optimizer_state
-
-
-def roofline_seconds(
-    flops: float, traffic: float, peak_tflops: float, bandwidth_tbs: float, mfu: float, launches: int = 0
-) -> float:
-    """Step time (s): FLOPs at `mfu` of the peak, bytes at the peak bandwidth, or `launches` kernels
-    at LAUNCH_SECONDS each, whichever is slowest."""
-    return max(flops / (peak_tflops * 1e12 * mfu), traffic / (bandwidth_tbs * 1e12), launches * LAUNCH_SECONDS)
 
 
 def count_kernels(model: nn.Module, batch, loss_fn=None) -> int:
@@ -159,7 +155,7 @@ class Plan:
     mfu: float
     mfu_source: str
     prices_source: str
-    check: dict = field(default_factory=dict)  # this machine: predicted vs measured step time
+    check: dict = field(default_factory=dict)  # this machine: a step at batch_size predicted, and measured
 
     def row(self, gpu: str) -> PlanRow:
         name = get_gpu(gpu).name
@@ -275,23 +271,33 @@ def _largest_batches(
     return {memory: answers[usable] for memory, usable in usables.items()}
 
 
-def _present_machine(device: torch.device, precision: str) -> tuple[str, float, float]:
-    """(name, peak TFLOP/s, bandwidth TB/s) of the device here: the datasheet for a known GPU,
-    else measured (an n×n matmul; a large copy reads and writes each byte once)."""
+def _present_machine(
+    device: torch.device, precision: str, clock: Callable[[], float] = time.perf_counter
+) -> tuple[str, float]:
+    """(name, peak TFLOP/s) of the device here: the datasheet for a known GPU, else an n×n matmul
+    timed by `clock`."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         row = find_gpu(name)
         peak = row.peak_tflops(precision) if row is not None else None
         if peak is not None:
-            return name, peak, row.bandwidth_tbs
+            return name, peak
     else:
         name = f"this CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     on_cpu = "fp32" if precision == "tf32" and device.type != "cuda" else precision  # tf32 is a GPU mode
-    peak = matmul_tflops(device, on_cpu, n=1024, repeats=3, warmup=1)
-    source = torch.empty(2**24, device=device)  # 64 MiB of fp32
-    target = torch.empty_like(source)
-    seconds = compare({"copy": lambda: target.copy_(source)}, device=device, warmup=1, repeats=5)["copy"].median
-    return name, peak, 2 * source.numel() * 4 / seconds / 1e12
+    return name, matmul_tflops(device, on_cpu, n=1024, repeats=3, warmup=1, clock=clock)
+
+
+def calibration_sizes(size: int) -> tuple[int, int]:
+    """The two batch sizes whose steps are timed to predict a step at `size`: an eighth and three quarters
+    of it (at least 2 examples, as BatchNorm needs), or twice and four times a batch too small to split so.
+
+    Far apart, so that the noise of each timing moves the line little; the larger close to `size`, so that
+    the line is carried only a third further: on a CPU a batch whose activations outgrow the cache costs more
+    per example (seen for the tiny CNN between 32 and 64 images), which no line through small batches knows.
+    """
+    small, large = max(2, size // 8), 3 * size // 4
+    return (small, large) if large > small else (2 * size, 4 * size)
 
 
 def plan(
@@ -308,7 +314,7 @@ def plan(
     prices: dict[str, float] | None = None,
     device: str | torch.device | None = None,
     loss_fn: str | Callable | None = None,
-    repeats: int = 5,
+    repeats: int = 9,
 ) -> Plan:
     """For each GPU: does a training step of `model` on `batch` fit, the largest batch that fits, the
     predicted step time, and the time and cost of `steps` optimizer steps.
@@ -322,8 +328,11 @@ def plan(
         memory free here (predicted first, with fake tensors): then TYPICAL_MFU, said in one printed line;
         "typical": TYPICAL_MFU; or a number.
     prices: US$ per GPU-hour by GPU name, on top of the example PRICES (see PRICES_SOURCE).
-    With mfu="measured", the model is also checked: the step time predicted at twice the batch
-    (from the MFU measured at the batch) against a measured step at twice the batch (plan.check).
+    With mfu="measured", the prediction is also checked here (plan.check): steps timed at the two batch
+    sizes `calibration_sizes` gives (not yours) predict a step at your batch (a line: a fixed time per
+    step plus a time per example), against a step timed at your batch, all interleaved. On a CPU they
+    run on one thread and are timed by its CPU time (time.thread_time), which other processes on a busy
+    machine do not inflate. `repeats`: timed steps at each size (their median counts), after 2 untimed.
     Your model is not changed (the measured steps train a copy).
     """
     check_model(model)
@@ -362,7 +371,7 @@ def plan(
     largest = _largest_batches(lambda b: predicted(b).total, usables, size, memory.activations)
 
     measuring = (optimizer, precision, device, loss_fn, repeats)
-    mfu_value, mfu_source, check = _choose_mfu(mfu, model, sample, flops, predicted, *measuring)
+    mfu_value, mfu_source, check = _choose_mfu(mfu, model, sample, flops, *measuring)
     work = {"flops": flops, "traffic": traffic, "kernels": kernels, "mfu": mfu_value, "steps": steps}
     rows = [
         _row(gpu, usables[gpu.memory_bytes], memory.total, largest[gpu.memory_bytes], price_table.get(gpu.name),
@@ -429,42 +438,38 @@ def _fits_nowhere(rows: list[PlanRow], memory: MemoryBreakdown, size: int, preci
     )
 
 
-def _choose_mfu(mfu, model, sample, flops, predicted, optimizer, precision, device, loss_fn, repeats):
+def _choose_mfu(mfu, model, sample, flops, optimizer, precision, device, loss_fn, repeats):
     """(MFU, where it comes from, the check on this machine) for mfu="measured", "typical" or a number.
     "measured" falls back to TYPICAL_MFU, said in one line, where measuring here would not fit in memory."""
     if mfu == "typical":
         return TYPICAL_MFU, "typical value, see TYPICAL_MFU", {}
     if mfu != "measured":
         return float(mfu), "given", {}
-    size = sample.size
     too_big = _too_big_to_measure(model, sample, optimizer, precision, device, loss_fn)
     if too_big is not None:
         print(f"plan: {too_big}; assumed mfu={TYPICAL_MFU:g} (TYPICAL_MFU) instead, and checked nothing here.")
         return TYPICAL_MFU, f"typical value, see TYPICAL_MFU ({too_big})", {}
-    double = (
-        flops_per_step(model, resized(sample, 2 * size, torch.device("meta")), loss_fn=loss_fn),
-        step_traffic(predicted(2 * size)),
-    )
-    return _measure(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats)
+    return _measure(model, sample, flops, optimizer, precision, device, loss_fn, repeats)
 
 
 def _too_big_to_measure(model, sample, optimizer, precision, device, loss_fn) -> str | None:
-    """Why the measured steps (a copy of the model trained at twice the sample's batch) would not fit the
-    memory free here, or None where they fit (or where free memory cannot be read)."""
+    """Why the measured steps (a copy of the model trained at the sample's batch and at the calibration sizes)
+    would not fit the memory free here, or None where they fit (or where free memory cannot be read)."""
     device = resolve_device(device)
     fast, _ = has_fast_kernels(precision, device)
     target = device if device.type == "cuda" else torch.device("cpu")  # mps shares the host's memory
+    sizes = (*calibration_sizes(sample.size), sample.size)
     step = predict(
         model,
         sample,
-        2 * sample.size,
+        max(sizes),
         optimizer=optimizer,
         precision=precision if fast else "fp32",  # as _measure_here runs it
         target=target,
         loss_fn=loss_fn,
         set_to_none=True,
     )
-    batches = 3 * storage_bytes(sample.tensors())  # the batches at size and 2·size stay on the device
+    batches = storage_bytes(sample.tensors()) * sum(sizes) // sample.size  # the timed batches stay on the device
     needs = {target: int((step.total + batches) * MEASURE_HEADROOM)}
     if target.type == "cuda" and next(model.parameters()).device.type == "cpu":  # copied in RAM, then moved
         host = torch.device("cpu")
@@ -525,9 +530,8 @@ def _cgroup_room() -> int | None:
     return None
 
 
-def _measure(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
-    """MFU of real steps at `size` on the machine present, and the check: the step time at 2·size
-    predicted from that MFU against a measured step at 2·size (timed interleaved).
+def _measure(model, sample, flops, optimizer, precision, device, loss_fn, repeats):
+    """The MFU of real steps on the machine present, and the check of the prediction here (see _measure_here).
 
     On a CPU, peak and steps are measured on one thread (restored afterwards): MFU is a ratio, so
     it carries over, and one thread is not thrown off by other load the way several OpenMP threads
@@ -538,38 +542,51 @@ def _measure(model, sample, size, flops, double, optimizer, precision, device, l
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        return _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats)
+        return _measure_here(model, sample, flops, optimizer, precision, device, loss_fn, repeats)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure_here(model, sample, size, flops, double, optimizer, precision, device, loss_fn, repeats):
+def _measure_here(model, sample, flops, optimizer, precision, device, loss_fn, repeats):
+    """Steps timed at the two calibration sizes give a line, time = fixed + batch × per example; its slope's
+    FLOP rate against the peak is the MFU. The line predicts a step at the sample's batch, which is timed
+    too, interleaved with the others (so that drift and other load touch all alike), and never used by it."""
     # MFU is a ratio, so it is measured in a precision this device runs natively: a 16-bit precision
     # without fast kernels here (bf16 on most CPUs is emulated, ~50x slower than fp32) would measure
     # the emulation, and slowly. The peak is measured in the same precision as the steps.
     fast, _ = has_fast_kernels(precision, device)
     precision = precision if fast else "fp32"
-    name, peak, bandwidth = _present_machine(device, precision)
+    # On a CPU, the one thread's CPU time: a busy machine takes the core away for a while, which inflates the
+    # wall-clock time of some steps and not others (3× seen with 6 jobs on 2 cores) but not the thread's own time.
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    name, peak = _present_machine(device, precision, clock)
     copy_of_model = copy.deepcopy(model).to(device)
     built = make_optimizer(optimizer, copy_of_model.parameters(), 1e-3, 0.0)
     step = TrainStep(copy_of_model, built, get_precision(precision, device), Loss(loss_fn))
-    batches = {b: to_device(repeated(sample, b), device) for b in (size, 2 * size)}
-    timings = compare({b: (lambda b=b: step(batches[b])) for b in batches}, device=device, warmup=1, repeats=repeats)
-    measured = {b: timing.median for b, timing in timings.items()}
-    mfu_value = flops / measured[size] / (peak * 1e12)
-    # (FLOPs, bytes) at 2·size; launch latency is part of the MFU measured here, so no third roof.
-    predicted = roofline_seconds(*double, peak, bandwidth, mfu_value)
+    size = sample.size
+    small, large = calibration_sizes(size)
+    batches = {b: to_device(repeated(sample, b), device) for b in (small, large, size)}
+    steps = {b: (lambda b=b: step(batches[b])) for b in batches}
+    seconds = {b: timing.median for b, timing in compare(steps, device=device, repeats=repeats, clock=clock).items()}
+    per_example = (seconds[large] - seconds[small]) / (large - small)
+    fixed = seconds[small] - small * per_example  # per step whatever the batch: dispatch, launches, optimizer
+    predicted = fixed + size * per_example  # seconds[size] is not used
+    flops_per_example = flops / size
+    mfu_value = flops_per_example / per_example / (peak * 1e12) if per_example > 0 else math.inf
+    how = f"{flops_per_example / 1e9:.3g} GFLOP more per example in {per_example * 1e3:.3g} ms more"
+    if not 0 < mfu_value <= 1:  # the time barely grows with the batch (launch-bound): no rate to read off the line
+        mfu_value = flops_per_example * large / seconds[large] / (peak * 1e12)
+        how = f"whole steps at batch {large}, as the step time barely grows with the batch here"
     check = {
         "device": name,
-        "peak TFLOP/s": peak,
-        "bandwidth TB/s": bandwidth,
-        "MFU at batch": size,
-        "predicted batch": 2 * size,
+        "clock": {"cpu": "thread CPU time", "cuda": "CUDA events"}.get(device.type, "wall clock"),
+        "timed batches": (small, large),
+        "fixed ms": fixed * 1e3,
+        "ms per example": per_example * 1e3,
+        "predicted batch": size,
         "predicted ms": predicted * 1e3,
-        "measured ms": measured[2 * size] * 1e3,
-        "error": predicted / measured[2 * size] - 1,
+        "measured ms": seconds[size] * 1e3,
+        "error": predicted / seconds[size] - 1,
     }
-    source = (
-        f"measured for this model on {name} in {precision}: {flops / measured[size] / 1e12:.3g} of {peak:.3g} TFLOP/s"
-    )
+    source = f"measured for this model on {name} in {precision}: {how}, against {peak:.3g} TFLOP/s"
     return mfu_value, source, check

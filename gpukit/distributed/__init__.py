@@ -6,6 +6,7 @@ parallel.py    setup/cleanup, DDP and FSDP2, sharded loaders, collectives for me
 pipeline.py    a model split over two ranks, micro-batches flowing between them
 scaling.py     measured: all-reduce bandwidth, throughput by workers, DDP variants
 zero.py        optimizer state sharded over ranks: ZeRO-1 with DDP, against DDP and FSDP2
+collectives.py count_collectives: what a piece of code sends, counted at the dispatcher
 costmodel.py   predicted: a ring all-reduce cost model against published scaling figures
 
 One worker function runs everywhere: under `launch` (a notebook or a script), under torchrun on
@@ -30,6 +31,7 @@ whole held-out data, and shows progress and writes checkpoints on rank 0 only.
 """
 
 from . import costmodel, pipeline, scaling, zero
+from .collectives import count_collectives
 from .launcher import WorkerError, launch
 from .parallel import (
     COMPRESSIONS,
@@ -70,6 +72,7 @@ __all__ = [
     "check_same",
     "cleanup",
     "compare_sharding",
+    "count_collectives",
     "costmodel",
     "data_parallel",
     "default_device",

@@ -25,6 +25,15 @@ def test_timing_statistics():
     assert timing.median == 3.0 and timing.min == 1.0 and timing.iqr < 60
 
 
+def test_median_error_matches_the_spread_of_medians():
+    # The standard error read from one sample's IQR, against the spread of the medians of many samples.
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.randn(2000, 25, generator=generator, dtype=torch.float64)
+    medians = samples.median(dim=1).values
+    estimated = [Timing(row.tolist()).median_error for row in samples[:200]]
+    assert 0.8 < sorted(estimated)[100] / medians.std().item() < 1.25
+
+
 def test_matmul_tflops_is_plausible_on_cpu():
     tflops = matmul_tflops("cpu", n=256, repeats=3)
     assert math.isfinite(tflops) and 0 < tflops < 50  # no CPU core does 50 TFLOP/s

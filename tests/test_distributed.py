@@ -238,6 +238,19 @@ def test_fit_in_a_world_of_one_equals_plain_fit(world_of_one, data):
         assert torch.equal(inside.state_dict()[name], value)
 
 
+def test_count_collectives_sees_ddps_all_reduces_and_python_ones(world_of_one):
+    model = distributed.data_parallel(nn.Linear(20, 1))  # one bucket of 21 float32 gradients
+    inputs = torch.randn(8, 20)
+    with distributed.count_collectives() as sent:
+        for _ in range(3):
+            model(inputs).sum().backward()  # DDP all-reduces in its C++ reducer
+        torch.distributed.all_reduce(torch.zeros(100))
+    assert sent.calls("allreduce") == 4, sent.log
+    assert sent.bytes("allreduce") == 3 * 21 * 4 + 100 * 4, sent.log
+    torch.distributed.all_reduce(torch.zeros(100))  # after the block: not counted
+    assert sent.calls("allreduce") == 4
+
+
 def test_cleanup_leaves_the_group(world_of_one):
     distributed.cleanup()
     assert not torch.distributed.is_initialized() and distributed.default_device() is None

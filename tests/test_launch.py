@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -225,3 +226,18 @@ def test_a_port_in_use(gpus, monkeypatch):
 def test_not_a_function():
     with pytest.raises(TypeError, match="needs a function"):
         launch("train.py", 2)
+
+
+def test_wait_for_jobs_returns_outputs_and_stops_a_hang_with_what_it_printed():
+    def start(code):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    assert gk.distributed.wait_for_jobs([start("print('done')"), start("import sys; sys.exit(3)")], 60) == [
+        ("done\n", ""),
+        ("", ""),
+    ]
+    quick, hung = start("print('quick')"), start("print('waiting for rank 1', flush=True); import time; time.sleep(60)")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="waiting for rank 1"):
+        gk.distributed.wait_for_jobs([quick, hung], 3)
+    assert time.monotonic() - started < 30 and hung.poll() is not None  # stopped, not left running

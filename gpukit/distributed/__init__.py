@@ -6,6 +6,8 @@ parallel.py    setup/cleanup, DDP and FSDP2, sharded loaders, collectives for me
 pipeline.py    a model split over two ranks, micro-batches flowing between them
 scaling.py     measured: all-reduce bandwidth, throughput by workers, DDP variants
 zero.py        optimizer state sharded over ranks: ZeRO-1 with DDP, against DDP and FSDP2
+collectives.py count_collectives: what a piece of code sends, counted at the dispatcher
+jobs.py        wait_for_jobs: command-line jobs (torchrun) started from a notebook, never hanging
 costmodel.py   predicted: a ring all-reduce cost model against published scaling figures
 stragglers.py  a slow rank sets the pace: measured waiting against a cost model, and local SGD
 
@@ -31,6 +33,8 @@ whole held-out data, and shows progress and writes checkpoints on rank 0 only.
 """
 
 from . import costmodel, pipeline, scaling, stragglers, zero
+from .collectives import count_collectives
+from .jobs import wait_for_jobs
 from .launcher import WorkerError, launch
 from .parallel import (
     COMPRESSIONS,
@@ -72,6 +76,7 @@ __all__ = [
     "check_same",
     "cleanup",
     "compare_sharding",
+    "count_collectives",
     "costmodel",
     "data_parallel",
     "default_device",
@@ -93,6 +98,7 @@ __all__ = [
     "sharded_loader",
     "state_bytes",
     "sum_over_ranks",
+    "wait_for_jobs",
     "world_size",
     "zero",
     "zero_optimizer",

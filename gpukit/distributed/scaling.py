@@ -8,7 +8,8 @@ each function, as with any collective):
 
 `benchmark_backend` (called in the parent, before launching) turns a benchmark's --device into a backend.
 
-Timings are the slowest rank's median (a step is as slow as its slowest rank).
+Timings are the slowest rank's median (a step is as slow as its slowest rank); `ddp_variants` takes the slowest
+rank of each repeat, and reports the median's standard error beside it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..bench import compare, timeit
+from ..bench import Timing, compare, timeit
 from ..env import detect
 from ..precision import get_precision
 from ..step import TrainStep
@@ -68,6 +69,13 @@ def _slowest(seconds: float, group: dist.ProcessGroup | None = None) -> float:
     value = torch.tensor([seconds], dtype=torch.float64, device=parallel.default_device() or "cpu")
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.item())
+
+
+def _slowest_each(seconds: Sequence[float]) -> list[float]:
+    """For each repeat, the largest value over ranks (that repeat's step took as long as its slowest rank)."""
+    values = torch.tensor(list(seconds), dtype=torch.float64, device=parallel.default_device() or "cpu")
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
 
 
 def allreduce_benchmark(sizes: Sequence[int], *, repeats: int = 10, warmup: int = 3) -> list[dict]:
@@ -206,8 +214,9 @@ def ddp_variants(
     optionally `no_sync=True`, which skips the all-reduce: compute alone, the lower bound.
     The variants take turns step by step (A, B, C, A, B, C, …), so that changes in the
     machine's load during the measurement hit all of them alike.
-    Rows: variant, step_time (s), images_per_second (all ranks), wire_bytes (per rank and step,
-    2(n−1)/n × the gradient bytes, halved by 16-bit compression, 0 without all-reduce).
+    Rows: variant, step_time (s: the median over repeats of the slowest rank's time), step_time_error (s: that
+    median's standard error, from the spread of the repeats, `Timing.median_error`), images_per_second (all ranks),
+    wire_bytes (per rank and step, 2(n−1)/n × the gradient bytes, halved by 16-bit compression, 0 without all-reduce).
     """
     device = parallel.default_device() or torch.device("cpu")
     images, labels = _synthetic_batch(batch_size, device)
@@ -225,12 +234,13 @@ def ddp_variants(
     timings = compare(steps_by_name, device=device, warmup=warmup, repeats=steps)  # every rank, same order
     rows = []
     for name, timing in timings.items():
-        seconds = _slowest(timing.median)
+        slowest = Timing(_slowest_each(timing.times))
         rows.append(
             {
                 "variant": name,
-                "step_time": seconds,
-                "images_per_second": count * batch_size / seconds,
+                "step_time": slowest.median,
+                "step_time_error": slowest.median_error,
+                "images_per_second": count * batch_size / slowest.median,
                 "wire_bytes": wire[name],
             }
         )

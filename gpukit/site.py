@@ -186,7 +186,7 @@ def _title(notebook, name: str) -> str:
     return name
 
 
-def _problems(notebook, name: str, figures: int) -> list[str]:
+def _problems(notebook, figures: int) -> list[str]:
     problems = []
     for index, cell in enumerate(notebook.cells):
         for error in _errors(cell):
@@ -219,7 +219,7 @@ def describe(notebook, name: str, path: Path | None = None) -> Lesson:
     figures = sum(any(kind in output.get("data", {}) for kind in FIGURE_TYPES) for output in outputs)
     profile, device = _run_facts(notebook)
     executed, seconds = _when(notebook, path)
-    problems = _problems(notebook, name, figures)
+    problems = _problems(notebook, figures)
     return Lesson(name, _title(notebook, name), profile, device, executed, seconds, figures, checks, problems)
 
 
@@ -356,7 +356,10 @@ def build(
     """Write the site into `out`: a page and the executed notebook per lesson, and index.html. The lessons in
     `lessons` (default: gpukit's own) are run here, or those already executed in `executed` are published.
     Returns every lesson's description; those with `problems` fail the build (`main` exits 1)."""
-    paths = lesson_paths(executed if executed is not None else lessons or folder("lessons"))
+    source = Path(executed if executed is not None else lessons or folder("lessons"))
+    if source.resolve() == out.resolve():  # the stale pages removed below would be the lessons themselves
+        raise ValueError(f"the site's folder {out} holds the lessons to publish: write the site somewhere else")
+    paths = lesson_paths(source)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.html"), *out.glob(LESSON_GLOB)]:  # a lesson renamed or gone since the last build
         stale.unlink()
@@ -364,6 +367,7 @@ def build(
     for path in paths:
         notebook = nbformat.read(path, as_version=4) if executed is not None else execute(path, profile, cell_seconds)
         lesson = describe(notebook, path.stem, path if executed is not None else None)
+        nbformat.write(notebook, out / f"{lesson.name}.ipynb")  # now: a build stopped later keeps what ran
         notebooks.append(notebook)
         described.append(lesson)
         took = f", {lesson.seconds:.0f} s" if lesson.seconds is not None else ""
@@ -374,7 +378,6 @@ def build(
         before = described[index - 1] if index > 0 else None
         after = described[index + 1] if index + 1 < len(described) else None
         (out / f"{lesson.name}.html").write_text(render_lesson(notebook, lesson, before, after), encoding="utf-8")
-        nbformat.write(notebook, out / f"{lesson.name}.ipynb")
     (out / "index.html").write_text(render_index(described, git_commit(Path(__file__).parent)), encoding="utf-8")
     return described
 

@@ -193,6 +193,9 @@ def test_the_command_line(tmp_path, capsys):
     assert "01_broken: cell 4 (id c4)" in capsys.readouterr().out
     assert cli.main(["site", str(tmp_path / "site"), "--from", str(tmp_path)]) == cli.EXIT_BAD_INPUT
     assert "no lessons (NN_name.ipynb) in" in capsys.readouterr().err
+    assert cli.main(["site", str(tmp_path / "executed"), "--from", str(tmp_path / "executed")]) == cli.EXIT_BAD_INPUT
+    assert "holds the lessons to publish" in capsys.readouterr().err
+    assert len(list((tmp_path / "executed").glob("*.ipynb"))) == 2  # nothing removed
     with pytest.raises(SystemExit):  # one source or the other
         cli.main(["site", str(tmp_path / "site"), "--from", str(tmp_path), "--lessons", str(tmp_path)])
 

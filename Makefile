@@ -4,6 +4,7 @@
 # Both create .venv with the Python found as $(PYTHON) (3.10 or newer).
 #   make gpu-check   on a CUDA GPU: gpu tests, every lesson, every benchmark; results to benchmarks/RESULTS.md
 #   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: README)
+#   make site        run every lesson and write a static site of the results to _site/ (FROM=DIR: lessons executed before)
 
 PYTHON ?= python3
 VENV := .venv
@@ -18,10 +19,16 @@ PYTEST_ARGS ?=
 # this server hook keeps the one the file has (gpukit/jupyter.py), so `git status` stays clean.
 LAB_OPTIONS := --FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info
 
+# The lessons' site (gpukit/site.py): _site/ is the folder actions/upload-pages-artifact publishes by default.
+SITE_DIR := _site
+# Empty: run every lesson here. A folder of executed lessons to publish as they are, e.g. the gpu profile's from
+# make gpu-check: make site FROM=runs/gpu-check/DATE-TIME/notebooks
+FROM ?=
+
 # Empty: use .venv (made by setup). Set to a Python that already has gpukit's dependencies to skip the venv.
 PY ?=
 
-.PHONY: lab test setup unit notebooks lint clean gpu-check
+.PHONY: lab test setup unit notebooks lint clean gpu-check site
 
 setup: $(STAMP)
 
@@ -49,8 +56,13 @@ notebooks: setup
 gpu-check: $(if $(PY),,setup)
 	$(or $(PY),$(BIN)/python) -m gpukit gpu-check
 
+# Every lesson executed (profile: GPUKIT_PROFILE, else gpukit's choice: tiny on two cores or in CI), one page
+# each with its figures and checks; fails naming the lesson and cell if a lesson raised or showed no figure.
+site: $(if $(PY),,setup)
+	$(or $(PY),$(BIN)/python) -m gpukit site $(SITE_DIR) $(if $(FROM),--from $(FROM))
+
 lint: setup
 	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(SITE_DIR)

@@ -5,6 +5,8 @@
                      held-out result and the throughput
     gpukit gpu-check run the gpu tests, every lesson (gpu profile) and every benchmark on a CUDA GPU;
                      append the results to benchmarks/RESULTS.md and print a summary (gpukit/gpucheck.py)
+    gpukit site DIR  run every lesson and write a static site of the results into DIR (make site;
+                     gpukit/site.py), or publish lessons already executed (--from)
     gpukit nbval-sanitize-path
                      print the path of the sanitize file for strict nbval (docs/nbval.md)
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from . import data, distributed, gpucheck, models, nbval, shipped
 from .checkup import collect
-from .env import detect, resolve_device, seed_everything
+from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
 from .train import CheckpointError, History, NonFiniteLossError, fit
 from .train.checks import check_checkpoint_dir
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpukit", description="Learn and measure fast neural-network training with PyTorch."
     )
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="{doctor,train,lessons,gpu-check,nbval-sanitize-path}"
+        dest="command", required=True, metavar="{doctor,train,lessons,gpu-check,site,nbval-sanitize-path}"
     )
 
     doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_lessons(commands)
     _add_gpu_check(commands)
+    _add_site(commands)
 
     sanitize = commands.add_parser(
         "nbval-sanitize-path",
@@ -140,6 +143,47 @@ def _add_gpu_check(commands) -> None:
     check.add_argument("--results", type=Path, help="the Markdown file to append to (default: benchmarks/RESULTS.md)")
     check.add_argument("--log-dir", type=Path, help="default: runs/gpu-check/DATE-TIME in the checkout")
     check.set_defaults(handler=lambda args: gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir))
+
+
+def _add_site(commands) -> None:
+    """The `site` command (gpukit/site.py), whose handler returns the exit code."""
+    site = commands.add_parser(
+        "site",
+        help="run every lesson and build a static site of the results (make site)",
+        description="Run every lesson top to bottom in a fresh kernel and write DIR/index.html and a page per lesson "
+        "with its outputs, figures and each check's outcome; or, with --from, publish lessons already executed. "
+        "Exit code 1, naming the lesson and cell, if a lesson raised an error, left a cell unrun or showed no figure.",
+    )
+    site.add_argument(
+        "dir", metavar="DIR", type=Path, help="the folder to write, e.g. _site (its old pages are replaced)"
+    )
+    source = site.add_mutually_exclusive_group()
+    source.add_argument(
+        "--from",
+        dest="executed",
+        metavar="EXECUTED",
+        type=Path,
+        help="a folder of executed lessons to publish, running nothing (make gpu-check keeps them in "
+        "runs/gpu-check/DATE-TIME/notebooks)",
+    )
+    source.add_argument("--lessons", type=Path, help="the folder of lessons to run (default: gpukit's own)")
+    site.add_argument(
+        "--profile",
+        choices=PROFILES,
+        help="the sizes to run the lessons at (default: GPUKIT_PROFILE, else gpukit's choice for this machine)",
+    )
+    site.add_argument("--cell-timeout", type=float, default=600, help="seconds one cell may run (default: 600)")
+    site.set_defaults(handler=site_main)
+
+
+def site_main(args: argparse.Namespace) -> int:
+    # nbconvert takes seconds to import and comes with the dev extra only: loaded when `gpukit site` runs.
+    try:
+        from . import site
+    except ImportError as error:
+        print(f"gpukit: error: gpukit site needs nbconvert ({error}): pip install nbconvert", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return site.main(args.dir, args.lessons, args.executed, args.profile, args.cell_timeout)
 
 
 def doctor_main(args: argparse.Namespace) -> None:

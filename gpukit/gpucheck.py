@@ -7,9 +7,10 @@ It runs, each step under its own time limit so that one hang cannot eat the othe
 3. every `benchmarks/*.py --device cuda --json PATH`;
 then appends a dated section to benchmarks/RESULTS.md (GPU, driver, CUDA, torch, Python; each test file's
 counts, each lesson's result and time, each benchmark's figures) and prints a one-screen summary.
-Logs go to runs/gpu-check/<date-time>/ (ignored by git). Without a CUDA GPU it says so in one line and
-exits with EXIT_NO_GPU, running nothing. It imports only the standard library, torch and (if present)
-pynvml, so it runs wherever the lessons can.
+Logs go to runs/gpu-check/<date-time>/ (ignored by git), and the lessons as they ran, outputs and all, to its
+notebooks/: `make site FROM=runs/gpu-check/<date-time>/notebooks` publishes them (gpukit/site.py). Without a
+CUDA GPU it says so in one line and exits with EXIT_NO_GPU, running nothing. It imports only the standard
+library, torch and (if present) pynvml, so it runs wherever the lessons can.
 """
 
 from __future__ import annotations
@@ -357,6 +358,10 @@ def run_lessons(root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, rep
             "-p",
             "no:cacheprovider",
             f"--junitxml={junit}",
+            # Each lesson with its outputs, kept for the site: make site FROM=<logs>/notebooks (gpukit/site.py).
+            "-p",
+            "gpukit.nbval_outputs",
+            f"--nbval-keep-outputs={logs / 'notebooks'}",
         ]
         status, _, elapsed = run_command(
             command, cwd=root, environment=environment, seconds=limit, log=logs / f"{name}.log"

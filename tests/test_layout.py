@@ -29,6 +29,7 @@ LAYERS = [
         "gpukit.runfile",
         "gpukit.hardware.gpus",
         "gpukit.nbval",
+        "gpukit.nbval_outputs",
         "gpukit.jupyter",
         "gpukit.shipped",
     },
@@ -40,6 +41,7 @@ LAYERS = [
         "gpukit.plots",
         "gpukit.checkup",
         "gpukit.gpucheck",
+        "gpukit.site",  # runs the lessons as gpu-check does (its child_environment)
     },
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor", "gpukit.inference"},
     {"gpukit.distributed", "gpukit.hardware"},

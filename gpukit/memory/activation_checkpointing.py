@@ -39,6 +39,7 @@ inside a region run again during the recomputation.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 from collections import Counter
@@ -85,6 +86,14 @@ def selective_policy(context, operator, *args, **kwargs) -> CheckpointPolicy:
 
 
 _SAVED = _saved_overloads()
+# torch 2.14 and later: what a selective region keeps goes through the saved-tensor hooks around it, as every other
+# saved tensor does (save_on_cpu offloads it, gk.memory.breakdown counts it as saved activations); earlier
+# versions keep it aside from the hooks.
+_THROUGH_HOOKS = (
+    {"respect_saved_tensors_hooks": True}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    else {}
+)
 
 
 def _buffers(modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -170,13 +179,10 @@ class _Region:
         if self.policy == "full":
             return buffers.forward(), buffers.recomputation()
         keep, recompute = create_selective_checkpoint_contexts(selective_policy)
-        if "respect_saved_tensors_hooks" in vars(keep):
-            # torch 2.14 and later: what the region keeps goes through the saved-tensor hooks around it, as every
-            # other saved tensor does (save_on_cpu offloads it, gk.memory.breakdown counts it as activations).
-            # checkpoint's own argument for this sees only a bare SAC context, not one combined with ours.
-            keep.respect_saved_tensors_hooks = True
         if not _buffers(self.modules):  # a transformer block: SAC's contexts alone, which torch.compile can trace
             return keep, recompute
+        if _THROUGH_HOOKS:  # checkpoint's argument reaches a bare SAC context only, not one combined with ours
+            keep.respect_saved_tensors_hooks = True
         return _together(buffers.forward(), keep), _together(buffers.recomputation(), recompute)
 
     def __call__(self, *args, **kwargs):
@@ -184,7 +190,8 @@ class _Region:
         # (checkpoint would only keep the inputs).
         if not torch.is_grad_enabled() or not self._needs_gradients(args, kwargs):
             return self.run(*args, **kwargs)
-        return checkpoint(self.run, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+        options = _THROUGH_HOOKS if self.policy == "selective" else {}
+        return checkpoint(self.run, *args, use_reentrant=False, context_fn=self._contexts, **options, **kwargs)
 
 
 @contextlib.contextmanager

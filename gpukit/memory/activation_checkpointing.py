@@ -175,12 +175,11 @@ class _Region:
         return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves((args, kwargs)))
 
     def _contexts(self):
+        """A region with buffers: the contexts that restore them around the recomputation (and SAC's)."""
         buffers = _BuffersOfOneCall(self)
         if self.policy == "full":
             return buffers.forward(), buffers.recomputation()
-        keep, recompute = create_selective_checkpoint_contexts(selective_policy)
-        if not _buffers(self.modules):  # a transformer block: SAC's contexts alone, which torch.compile can trace
-            return keep, recompute
+        keep, recompute = selective_contexts()
         if _THROUGH_HOOKS:  # checkpoint's argument reaches a bare SAC context only, not one combined with ours
             keep.respect_saved_tensors_hooks = True
         return _together(buffers.forward(), keep), _together(buffers.recomputation(), recompute)
@@ -191,7 +190,16 @@ class _Region:
         if not torch.is_grad_enabled() or not self._needs_gradients(args, kwargs):
             return self.run(*args, **kwargs)
         options = _THROUGH_HOOKS if self.policy == "selective" else {}
-        return checkpoint(self.run, *args, use_reentrant=False, context_fn=self._contexts, **options, **kwargs)
+        if _buffers(self.modules):
+            options |= {"context_fn": self._contexts}
+        elif self.policy == "selective":  # a plain function: torch.compile traces it (it loses a method's self)
+            options |= {"context_fn": selective_contexts}
+        return checkpoint(self.run, *args, use_reentrant=False, **options, **kwargs)
+
+
+def selective_contexts():
+    """policy="selective"'s contexts for torch.utils.checkpoint.checkpoint(context_fn=...)."""
+    return create_selective_checkpoint_contexts(selective_policy)
 
 
 @contextlib.contextmanager

@@ -77,13 +77,14 @@ class TensorErrors:
     e4m3_unscaled: float
 
     def row(self) -> dict:
+        """One table row, errors in percent."""
         return {
             "tensor": self.kind,
             "layers": self.layers,
-            "bf16": self.bf16,
-            "e4m3 scaled": self.e4m3,
-            "e5m2 scaled": self.e5m2,
-            "e4m3 unscaled": self.e4m3_unscaled,
+            "bf16 (%)": 100 * self.bf16,
+            "e4m3 scaled (%)": 100 * self.e4m3,
+            "e5m2 scaled (%)": 100 * self.e5m2,
+            "e4m3 unscaled (%)": 100 * self.e4m3_unscaled,
         }
 
 

@@ -40,6 +40,15 @@ def test_snapshot_copies_every_tensor_and_value():
     assert copied["rng"][0].data_ptr() != state["rng"][0].data_ptr()
 
 
+def test_snapshot_keeps_tied_weights_tied_and_views_as_they_were():
+    model = gk.models.gpt(width=16, depth=1, heads=2, max_seq_len=8)  # head.weight is the token embedding's
+    state = model.state_dict() | {"view": model.blocks[0].mlp[0].weight[2:5, 1:]}
+    copied = snapshot(state)
+    assert copied["head.weight"].data_ptr() == copied["token_embedding.weight"].data_ptr()
+    for name, tensor in state.items():
+        assert torch.equal(copied[name], tensor) and copied[name].stride() == tensor.stride(), name
+
+
 def test_an_error_in_the_writer_is_raised_in_training_and_the_last_file_stays(tmp_path):
     path = tmp_path / "last.pt"
     write_checkpoint({"step": 1}, path)

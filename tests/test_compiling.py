@@ -85,3 +85,37 @@ def test_launch_overhead_reports_both_timings_of_the_same_result():
     measured = launch_overhead("cpu", operators=20, elements=64, repeats=3)  # it asserts the results agree
     assert measured.operators == 20 and measured.unfused > 0 and measured.fused > 0
     assert measured.per_operator >= 0 and "per launch" in str(measured)
+
+
+def test_compare_compilation_measures_each_mode_from_the_same_weights():
+    model = tiny_gpt()
+    variants = gk.compiling.compare_compilation(model, gpt_batch(), modes=("eager", "regional"), repeats=2)
+    eager, regional = variants["eager"], variants["regional"]
+    assert eager.traced_operators == 0 < regional.traced_operators
+    assert regional.loss == pytest.approx(eager.loss, rel=1e-5)
+    for got, expected in zip(regional.gradients, eager.gradients):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    assert all(len(v.step.times) == 2 and v.first_step > 0 for v in variants.values())
+    assert all(parameter.grad is None for parameter in model.parameters())  # the model itself never ran
+    with pytest.raises(ValueError, match="'eager', 'regional' or 'whole'"):
+        gk.compiling.compare_compilation(model, gpt_batch(), modes=("fast",))
+
+
+def test_count_operators_counts_forward_and_backward():
+    model = tiny_gpt()
+    inputs, target = gpt_batch()
+    forward = gk.compiling.count_operators(lambda: model(inputs))
+    both = gk.compiling.count_operators(
+        lambda: nn.functional.cross_entropy(model(inputs).flatten(0, 1), target.flatten()).backward()
+    )
+    assert 0 < forward < both
+
+
+def test_fit_compiles_selective_checkpointed_blocks_by_region():
+    torch._dynamo.reset()
+    options = dict(epochs=1, lr=0.05, device="cpu", progress=False, log_every=1)
+    eager = gk.fit(tiny_gpt(), [gpt_batch()] * 3, **options)
+    model = tiny_gpt()
+    both = gk.fit(model, [gpt_batch()] * 3, compile="regional", activation_checkpointing="selective", **options)
+    assert [row["loss"] for row in both.steps] == pytest.approx([row["loss"] for row in eager.steps], rel=1e-4)
+    assert not gk.memory.has_activation_checkpointing(model)

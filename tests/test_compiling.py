@@ -119,3 +119,14 @@ def test_fit_compiles_selective_checkpointed_blocks_by_region():
     both = gk.fit(model, [gpt_batch()] * 3, compile="regional", activation_checkpointing="selective", **options)
     assert [row["loss"] for row in both.steps] == pytest.approx([row["loss"] for row in eager.steps], rel=1e-4)
     assert not gk.memory.has_activation_checkpointing(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MODELS)
+def test_fit_with_cuda_graphs_trains_as_eager_on_a_gpu(kind):
+    build, batch = MODELS[kind]
+    torch._dynamo.reset()
+    options = dict(epochs=1, lr=0.05, device="cuda", progress=False, log_every=1)
+    eager = gk.fit(build(), [batch()] * 4, **options)
+    graphed = gk.fit(build(), [batch()] * 4, compile="reduce-overhead", **options)
+    assert [row["loss"] for row in graphed.steps] == pytest.approx([row["loss"] for row in eager.steps], rel=1e-3)

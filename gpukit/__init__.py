@@ -4,7 +4,22 @@ Importing gpukit never initialises CUDA, so a notebook can still launch worker p
 that use the GPU afterwards.
 """
 
-from . import bench, data, distributed, hardware, inference, memory, models, optim, plots, shipped, step, train
+from . import (
+    bench,
+    compiling,
+    data,
+    distributed,
+    fp8,
+    hardware,
+    inference,
+    memory,
+    models,
+    optim,
+    plots,
+    shipped,
+    step,
+    train,
+)
 from .checkup import doctor
 from .deprecation import renamed
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
@@ -25,6 +40,7 @@ __all__ = [
     "Profile",
     "Table",
     "bench",
+    "compiling",
     "data",
     "detect",
     "distributed",
@@ -32,6 +48,7 @@ __all__ = [
     "evaluate",
     "fit",
     "format_bytes",
+    "fp8",
     "get_precision",
     "hardware",
     "inference",

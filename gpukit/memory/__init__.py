@@ -14,7 +14,10 @@ figures (parts.py).
 The CUDA allocator: out-of-memory help, free_memory, limit_gpu_memory, expandable_segments,
 record_snapshot (allocator.py).
 apply_activation_checkpointing(): recompute each block's activations in backward instead of keeping
-them (activation_checkpointing.py). "Checkpoint" alone, in gpukit, means saved training state.
+them, all of them (policy="full") or all but the matmul and attention outputs (policy="selective")
+(activation_checkpointing.py). "Checkpoint" alone, in gpukit, means saved training state.
+OffloadActivations, offload_cost(): saved activations kept in host memory, and the PCIe traffic that
+costs (offload.py).
 
 Every function takes an example batch of any form fit accepts (see gpukit.step), or a tensor of
 inputs with optional labels. Every byte count is of tensor storages, each counted once.
@@ -38,6 +41,7 @@ from .allocator import (
     record_snapshot,
 )
 from .measuring import Measurement, breakdown, measure
+from .offload import OffloadActivations, OffloadCost, offload_cost
 from .parts import MemoryBreakdown, breakdown_table, plot_breakdowns, plot_memory_timeline
 from .plan import BatchSizePlan, max_batch_size
 from .prediction import OPTIMIZER_STATE, estimate, optimizer_state_bytes
@@ -49,6 +53,8 @@ __all__ = [
     "ActivationCheckpointingPlan",
     "Measurement",
     "MemoryBreakdown",
+    "OffloadActivations",
+    "OffloadCost",
     "Snapshot",
     "TrainingOutOfMemoryError",
     "activation_checkpointing",
@@ -64,6 +70,7 @@ __all__ = [
     "limit_gpu_memory",
     "max_batch_size",
     "measure",
+    "offload_cost",
     "optimizer_state_bytes",
     "plot_breakdowns",
     "plot_memory_timeline",

@@ -66,6 +66,18 @@ class MemoryBreakdown:
         return self.total - max(self.allocated_timeline)
 
     @property
+    def kept_by_forward(self) -> int:
+        """Bytes the forward pass left alive for the backward (the timeline's growth over the forward): saved
+        activations, what a selective activation checkpoint keeps aside from autograd, the outputs and the loss."""
+        starts = dict(self.phases)
+        if "forward" not in starts or "backward" not in starts:
+            raise ValueError(
+                "this breakdown has no timeline of its phases (a prediction): measure it with breakdown()."
+            )
+        before = self.timeline[starts["forward"] - 1] if starts["forward"] else 0  # the sample before its first op
+        return self.timeline[starts["backward"] - 1] - before
+
+    @property
     def other(self) -> int:
         known = self.params + self.buffers + self.grads + self.optimizer_state + self.activations
         return self.total - known - (self.workspace or 0)

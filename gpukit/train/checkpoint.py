@@ -356,6 +356,7 @@ class Checkpointer:
         self.schedule_start = 0  # the step the schedule began at: 0, or where a finished run was extended
         self.pending = None  # the saved place in the data, until the first epoch trained resumes from it
         self.epoch_start = None  # the state the current epoch's order came from (for saves within it)
+        self.writer = None  # a BackgroundWriter (fit's save_in_background=True), else saves block until written
 
     def resume(self, run, build_schedule: Callable) -> tuple[int, int]:
         """Load the saved run into `run`: (epoch, optimizer step) to go on from; (0, 0) without a checkpoint.
@@ -478,7 +479,10 @@ class Checkpointer:
                 "history": {name: getattr(history, name) for name in _HISTORY_FIELDS},
                 "ranks": ranks,
             }
-            write_checkpoint(state, self.path)
+            if self.writer is not None:
+                self.writer.save(state, self.path)
+            else:
+                write_checkpoint(state, self.path)
         distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
 
     def _this_rank(self, run, position: int, tally, window) -> dict:

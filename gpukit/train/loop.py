@@ -47,6 +47,7 @@ from .checks import (
 from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
 from .history import History
+from .model_options import ModelOptions, check_model_options
 from .tally import RunningSums, Tally, check_metrics
 from .tensorboard_log import open_log
 
@@ -67,7 +68,9 @@ def fit(
     accumulate: int = 1,
     clip: float | None = None,
     channels_last: bool = False,
-    compile: bool | dict = False,
+    compile: bool | str | dict = False,
+    activation_checkpointing: str | None = None,
+    offload_activations: bool = False,
     device: str | torch.device | None = None,
     eval_data=None,
     loss_fn: str | Callable | None = None,
@@ -82,6 +85,7 @@ def fit(
     log_dir: str | Path | None = None,
     seed: int = 0,
     monitor: bool | Monitor = False,
+    save_in_background: bool = False,
 ) -> History:
     """Train `model` on `train_data` and return the History of what was measured.
 
@@ -108,7 +112,11 @@ def fit(
     precision: "fp32", "tf32", "bf16-mixed", "fp16-mixed" (with dynamic loss scaling) or a Precision.
     clip: a bound on the gradients' global norm, or None.
     channels_last, compile: the channels_last memory layout for 4-D image batches and weights;
-        torch.compile with its defaults (True) or with a dict of its options.
+        torch.compile with its defaults (True or "whole") or with a dict of its options, of each repeated
+        block ("regional": compiles in about the time of one block), or with CUDA graphs ("reduce-overhead").
+    activation_checkpointing, offload_activations: "full" or "selective" activation checkpointing of every
+        block (gk.memory.apply_activation_checkpointing; selective keeps matmul and attention outputs); saved
+        activations kept in host memory on a GPU (gk.memory.offload). Both are undone when fit returns.
     device: where to train (default: this process's device in a distributed job, else the best here).
     eval_data, loss_fn, label_smoothing, metrics: held-out data evaluated after every epoch; your
         function of (outputs, target), which gets the outputs exactly as the model returned them (a
@@ -134,7 +142,8 @@ def fit(
         changes the lr or another setting that shapes the run is refused, naming it. A finished run called
         again with more epochs (or max_steps) goes on: weights and optimizer state carry on, and a new
         schedule of this call's kind and lr spans the added steps (a warning says so). A file, or a folder
-        that cannot be written, is refused before any work.
+        that cannot be written, is refused before any work. save_in_background=True writes each save in a
+        thread: training waits only for a copy of the state in host memory (gpukit.train.async_checkpoint).
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
     seed: what fit draws: the order of the loader fit builds for a Dataset, and torch's global generator
@@ -149,6 +158,7 @@ def fit(
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
+    check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir)
     # Dropout and the model's other draws; each rank its own masks, as independent processes would draw.
     torch.manual_seed(check_int("seed", seed, minimum=0) + distributed.rank())
     warmup = _warmup(warmup, warmup_steps)
@@ -173,8 +183,9 @@ def fit(
         metrics=metrics,
     )
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
+    options = ModelOptions(model, device, activation_checkpointing, compile, offload_activations)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
-    forward = torch.compile(parallel, **(compile if isinstance(compile, dict) else {})) if compile else parallel
+    forward = options.forward(parallel)  # compiled and offloading, if asked
     run = _Run(
         model=model,
         device=device,
@@ -208,9 +219,14 @@ def fit(
         "seed": seed,
     }
     del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
-    run.resume_from(checkpoint_dir, save_every, settings, partial(make_schedule, schedule=schedule, warmup=warmup))
-    run.start_reporting(log_dir, progress, live_plot, monitor)
-    return _train(run, epochs)
+    try:
+        run.resume_from(checkpoint_dir, save_every, settings, partial(make_schedule, schedule=schedule, warmup=warmup))
+        if save_in_background:
+            options.save_in_background(run.checkpoint)
+        run.start_reporting(log_dir, progress, live_plot, monitor)
+        return _train(run, epochs)
+    finally:
+        options.undo()  # the last save on disk; the model without checkpointing or compiled blocks
 
 
 def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:

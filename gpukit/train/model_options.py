@@ -1,0 +1,94 @@
+"""What fit does to the model around training, each off unless asked, and undone when fit returns:
+
+    activation_checkpointing="full" | "selective"   gk.memory.apply_activation_checkpointing on every block;
+    compile=True | "whole" | "regional" | "reduce-overhead" | {torch.compile options}
+                                                    the whole model, each block (gk.compiling.compile_regions),
+                                                    or the whole model with CUDA graphs;
+    offload_activations=True                        saved activations in host memory (gk.memory.offload);
+    save_in_background=True                         checkpoint_dir's saves written by a thread
+                                                    (gpukit.train.async_checkpoint).
+
+They compose in torchtitan's order: checkpointing, then compiling, then the data-parallel wrapper.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..compiling import COMPILE_MODES, compile_regions, remove_compiled_regions
+from ..memory.activation_checkpointing import (
+    apply_activation_checkpointing,
+    check_policy,
+    remove_activation_checkpointing,
+)
+from ..memory.offload import OffloadActivations
+from .async_checkpoint import BackgroundWriter
+
+
+def check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir):
+    """Refuse a wrong value before any work, saying what is accepted."""
+    if activation_checkpointing is not None:
+        check_policy(activation_checkpointing)
+    if not isinstance(compile, (bool, dict)) and compile not in COMPILE_MODES:
+        raise ValueError(
+            f"compile={compile!r} is unknown; use True or 'whole' (the whole model), 'regional' (each repeated "
+            "block: compiles faster), 'reduce-overhead' (the whole model with CUDA graphs), or a dict of "
+            "torch.compile's options."
+        )
+    for name, value in (("offload_activations", offload_activations), ("save_in_background", save_in_background)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}.")
+    if save_in_background and checkpoint_dir is None:
+        raise ValueError("save_in_background=True writes fit's checkpoints in a thread: pass checkpoint_dir too.")
+
+
+class ModelOptions:
+    """The options applied to `model` (checkpointing and regional compiling, in place), the callable the step
+    runs (`forward`), and `undo` for when training ends."""
+
+    def __init__(self, model: nn.Module, device: torch.device, activation_checkpointing, compile, offload_activations):
+        self.model, self.compile = model, compile
+        self.writer: BackgroundWriter | None = None
+        self.checkpointed = activation_checkpointing is not None
+        if self.checkpointed:
+            apply_activation_checkpointing(model, policy=activation_checkpointing)
+        if compile == "regional":
+            try:
+                compile_regions(model)
+            except (TypeError, ValueError):
+                self.undo()  # the model as it came, then the error that says what to do
+                raise
+        self.offload = offload_activations and device.type == "cuda"
+        if offload_activations and not self.offload:
+            warnings.warn(
+                f"offload_activations=True moves saved activations from a GPU to host memory; on {device.type} they "
+                "are in host memory already, so nothing is offloaded.",
+                stacklevel=3,
+            )
+
+    def forward(self, parallel: nn.Module):
+        """What the training step calls: `parallel` (the model or its DDP wrapper), compiled whole if asked,
+        offloading if asked."""
+        forward = parallel
+        if self.compile is True or self.compile == "whole" or isinstance(self.compile, dict):
+            forward = torch.compile(parallel, **(self.compile if isinstance(self.compile, dict) else {}))
+        elif self.compile == "reduce-overhead":
+            forward = torch.compile(parallel, mode="reduce-overhead")
+        return OffloadActivations(forward) if self.offload else forward
+
+    def save_in_background(self, checkpointer) -> None:
+        self.writer = checkpointer.writer = BackgroundWriter()
+
+    def undo(self) -> None:
+        """Wait for a save in flight, then give the model back as it came (without checkpointing or compiled blocks)."""
+        try:
+            if self.writer is not None:
+                self.writer.wait()
+        finally:
+            if self.compile == "regional":
+                remove_compiled_regions(self.model)  # (blocks never compiled are left as they are)
+            if self.checkpointed:
+                remove_activation_checkpointing(self.model)

@@ -24,6 +24,8 @@ except ImportError:  # Python 3.10
 from gpukit import shipped
 from gpukit.cli import main
 
+markdown2html_mistune = pytest.importorskip("nbconvert.filters.markdown_mistune").markdown2html_mistune
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -244,4 +246,7 @@ def test_badges_and_install_cells_are_built_from_the_one_repository_url():
         for text in (title, readme):
             assert f"https://colab.research.google.com/github/{target})" in text, lesson.name
             assert f"https://kaggle.com/kernels/welcome?src=https://github.com/{target})" in text, lesson.name
+        # Rendered as Jupyter renders markdown: links around badge images, not text (nbconvert's mistune).
+        html = markdown2html_mistune(title)
+        assert f'<a href="https://colab.research.google.com/github/{target}"><img' in html, lesson.name
         assert cells[1]["id"] == "install-gpukit" and f"git+https://github.com/{repo}" in "".join(cells[1]["source"])

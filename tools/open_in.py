@@ -63,8 +63,9 @@ def updated_lesson(path: Path, repo: str) -> nbformat.NotebookNode:
     """The lesson with its badge line under the title and the install cell first among its code cells."""
     notebook = nbformat.read(path, as_version=4)
     title = notebook.cells[0]
+    # The marker ends the badge line: at its start it would make the whole line raw HTML, the badges plain text.
     lines = [line for line in title.source.split("\n") if BADGES not in line]
-    title.source = "\n".join([lines[0], "", f"{BADGES} {badges(path.name, repo)}", *lines[1:]]).replace(
+    title.source = "\n".join([lines[0], "", f"{badges(path.name, repo)} {BADGES}", *lines[1:]]).replace(
         "\n\n\n", "\n\n"
     )
     cells = [cell for cell in notebook.cells if cell.get("id") != INSTALL_CELL_ID]

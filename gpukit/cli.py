@@ -142,7 +142,20 @@ def _add_gpu_check(commands) -> None:
     )
     check.add_argument("--results", type=Path, help="the Markdown file to append to (default: benchmarks/RESULTS.md)")
     check.add_argument("--log-dir", type=Path, help="default: runs/gpu-check/DATE-TIME in the checkout")
-    check.set_defaults(handler=lambda args: gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir))
+    check.add_argument(
+        "--only",
+        help="comma-separated starts of lesson and benchmark names to run, in that order (e.g. 03,06,fit_overhead)",
+    )
+    check.add_argument("--seconds", type=float, help="the whole check's time limit, for a short lease")
+    check.set_defaults(
+        handler=lambda args: gpucheck.run_gpu_check(
+            args.steps.split(","),
+            args.results,
+            args.log_dir,
+            only=args.only.split(",") if args.only else None,
+            seconds=args.seconds,
+        )
+    )
 
 
 def _add_site(commands) -> None:

@@ -322,7 +322,15 @@ def _time_left(deadline: float, limit: float) -> float:
     return min(limit, deadline - time.monotonic())
 
 
-def run_lessons(root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, report=print) -> list[StepResult]:
+def chosen(paths, only: list[str] | None) -> list[Path]:
+    """`paths` whose name starts with one of `only` (all where None), in `only`'s order: the first named run first."""
+    paths = sorted(paths)
+    return paths if only is None else [path for prefix in only for path in paths if path.name.startswith(prefix)]
+
+
+def run_lessons(
+    root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, only=None, report=print
+) -> list[StepResult]:
     """Each lesson under nbval in the gpu profile, one pytest (and one kernel) per lesson, timed."""
     deadline = time.monotonic() + seconds
     environment = child_environment(root, GPUKIT_PROFILE="gpu")
@@ -337,7 +345,7 @@ def run_lessons(root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, rep
         report(summary_row(result))
         return [result]
     results = []
-    for notebook in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for notebook in chosen((root / "notebooks").glob("[0-9][0-9]_*.ipynb"), only):
         name, limit = notebook.stem, _time_left(deadline, LESSON_SECONDS)
         if limit < MIN_SECONDS:
             results.append(StepResult("lesson", name, "not run", 0.0, f"the lessons' {seconds:.0f} s were spent"))
@@ -407,12 +415,14 @@ def benchmark_command(script: Path, figures_path: Path) -> list[str]:
     ]
 
 
-def run_benchmarks(root: Path, logs: Path, seconds: float = BENCHMARKS_SECONDS, *, report=print) -> list[StepResult]:
+def run_benchmarks(
+    root: Path, logs: Path, seconds: float = BENCHMARKS_SECONDS, *, only=None, report=print
+) -> list[StepResult]:
     """Every benchmarks/*.py with --device cuda, its figures read back from its --json file."""
     deadline = time.monotonic() + seconds
     environment = child_environment(root)
     results = []
-    for script in sorted((root / "benchmarks").glob("*.py")):
+    for script in chosen((root / "benchmarks").glob("*.py"), only):
         name, limit = script.stem, _time_left(deadline, BENCHMARK_SECONDS)
         if limit < MIN_SECONDS:
             results.append(StepResult("benchmark", name, "not run", 0.0, f"the benchmarks' {seconds:.0f} s were spent"))
@@ -554,13 +564,30 @@ def repository_root() -> Path:
     return root
 
 
-def run_gpu_check(steps=STEPS, results_path: Path | None = None, log_dir: Path | None = None) -> int:
-    """Run `steps` (some of STEPS), append the section to `results_path` (default benchmarks/RESULTS.md) and
-    print the summary. Returns 0, EXIT_FAILED if anything failed, or EXIT_NO_GPU (after one line, having run
-    nothing) where torch sees no CUDA GPU."""
+def run_gpu_check(
+    steps=STEPS,
+    results_path: Path | None = None,
+    log_dir: Path | None = None,
+    *,
+    only: list[str] | None = None,
+    seconds: float | None = None,
+) -> int:
+    """Run `steps` (some of STEPS, in that order), append the section to `results_path` (default
+    benchmarks/RESULTS.md) and print the summary. `only`: the lessons and benchmarks to run, by the start of
+    their names, in that order; `seconds`: the whole check's time limit (a lease shorter than 29 minutes), each
+    step still within its own. Returns 0, EXIT_FAILED if anything failed, or EXIT_NO_GPU (after one line, having
+    run nothing) where torch sees no CUDA GPU."""
     unknown = set(steps) - set(STEPS)
     if unknown:
         raise ValueError(f"unknown gpu-check step(s) {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}.")
+    if only is not None:
+        root = repository_root()
+        names = [
+            p.name for p in [*(root / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(root / "benchmarks").glob("*.py")]
+        ]
+        unmatched = [prefix for prefix in only if not any(name.startswith(prefix) for name in names)]
+        if unmatched:
+            raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no lesson or benchmark.")
     message = no_gpu_message()
     if message:
         print(message, file=sys.stderr)
@@ -573,13 +600,17 @@ def run_gpu_check(steps=STEPS, results_path: Path | None = None, log_dir: Path |
     print(f"gpu-check on {machine.gpu} (driver {machine.driver}); logs in {logs}", flush=True)
     started, results = time.monotonic(), []
     report = functools.partial(print, flush=True)  # a line as each lesson or benchmark ends
-    if "tests" in steps:
-        results.append(run_tests(root, logs))
-        report(summary_row(results[-1]))
-    if "lessons" in steps:
-        results += run_lessons(root, logs, report=report)
-    if "benchmarks" in steps:
-        results += run_benchmarks(root, logs, report=report)
+    deadline = started + (seconds if seconds is not None else float("inf"))
+    for step in steps:
+        limit = {"tests": TESTS_SECONDS, "lessons": LESSONS_SECONDS, "benchmarks": BENCHMARKS_SECONDS}[step]
+        limit = _time_left(deadline, limit)
+        if step == "tests":
+            results.append(run_tests(root, logs, limit))
+            report(summary_row(results[-1]))
+        elif step == "lessons":
+            results += run_lessons(root, logs, limit, only=only, report=report)
+        else:
+            results += run_benchmarks(root, logs, limit, only=only, report=report)
     seconds = time.monotonic() - started
     append_section(results_path, results_section(machine, results, seconds))
     print("\n" + summary(machine, results, seconds, results_path, logs))

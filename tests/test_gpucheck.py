@@ -146,9 +146,10 @@ def test_the_command_writes_the_section_and_the_summary(monkeypatch, tmp_path, c
     monkeypatch.setattr(gpucheck, "no_gpu_message", lambda: None)
     monkeypatch.setattr(gpucheck, "repository_root", lambda: tmp_path)
     monkeypatch.setattr(gpucheck, "describe_machine", lambda root: MACHINE)
-    monkeypatch.setattr(gpucheck, "run_tests", lambda root, logs: results[0])
-    monkeypatch.setattr(gpucheck, "run_lessons", lambda root, logs, report: results[1 : 1 + len(LESSONS)])
-    monkeypatch.setattr(gpucheck, "run_benchmarks", lambda root, logs, report: results[1 + len(LESSONS) :])
+    monkeypatch.setattr(gpucheck, "run_tests", lambda root, logs, seconds: results[0])
+    lessons, benchmarks = results[1 : 1 + len(LESSONS)], results[1 + len(LESSONS) :]
+    monkeypatch.setattr(gpucheck, "run_lessons", lambda root, logs, seconds, only, report: lessons)
+    monkeypatch.setattr(gpucheck, "run_benchmarks", lambda root, logs, seconds, only, report: benchmarks)
     (tmp_path / "benchmarks").mkdir()
     assert cli.main(["gpu-check"]) == gpucheck.EXIT_FAILED
     section = (tmp_path / "benchmarks" / "RESULTS.md").read_text()
@@ -156,6 +157,36 @@ def test_the_command_writes_the_section_and_the_summary(monkeypatch, tmp_path, c
     out = capsys.readouterr().out
     assert out.splitlines()[-2] == f"section added to {tmp_path / 'benchmarks' / 'RESULTS.md'}"
     assert (tmp_path / "runs" / "gpu-check").is_dir()
+
+
+def test_steps_run_in_the_order_given_within_the_whole_checks_seconds(monkeypatch, tmp_path):
+    """--steps benchmarks,lessons --seconds 100: benchmarks first, each step's limit what is left of the 100 s;
+    --only picks lessons and benchmarks by the start of their names, in its order."""
+    for folder, name in [("notebooks", "03_m.ipynb"), ("notebooks", "06_b.ipynb"), ("benchmarks", "fit.py")]:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / name).write_text("")
+    monkeypatch.setattr(gpucheck, "no_gpu_message", lambda: None)
+    monkeypatch.setattr(gpucheck, "repository_root", lambda: tmp_path)
+    monkeypatch.setattr(gpucheck, "describe_machine", lambda root: MACHINE)
+    calls, clock = [], [0.0]
+    monkeypatch.setattr(gpucheck.time, "monotonic", lambda: clock[0])
+
+    def step(kind):
+        def run(root, logs, seconds, only, report):
+            calls.append((kind, round(seconds), only))
+            clock[0] += 70  # each step spends 70 s
+            return []
+
+        return run
+
+    monkeypatch.setattr(gpucheck, "run_lessons", step("lessons"))
+    monkeypatch.setattr(gpucheck, "run_benchmarks", step("benchmarks"))
+    steps = ["gpu-check", "--steps", "benchmarks,lessons", "--seconds", "100", "--only", "06,03"]
+    assert cli.main([*steps, "--results", str(tmp_path / "R.md"), "--log-dir", str(tmp_path / "logs")]) == 0
+    assert calls == [("benchmarks", 100, ["06", "03"]), ("lessons", 30, ["06", "03"])]
+    found = gpucheck.chosen((tmp_path / "notebooks").glob("*.ipynb"), ["06", "03"])
+    assert [path.name for path in found] == ["06_b.ipynb", "03_m.ipynb"]
+    assert cli.main(["gpu-check", "--only", "07"]) == cli.EXIT_BAD_INPUT  # no lesson 07 here: said before any step
 
 
 def test_lessons_fail_once_where_nbval_cannot_be_imported(tmp_path):

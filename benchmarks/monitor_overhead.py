@@ -41,7 +41,8 @@ def measure(args, device: torch.device, monitor) -> dict:
     step = gk.step.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01), args.precision, device=device)
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(args.batch_size, 3, 32, 32, generator=generator)
-    batch = gk.step.to_device((images, torch.randint(0, 10, (args.batch_size,), generator=generator)), device)
+    labels = torch.randint(0, 10, (args.batch_size,), generator=generator)
+    batch = (images.to(device), labels.to(device))
     for _ in range(5):  # warm-up: cuDNN's algorithm choice, the allocator's first blocks
         step(batch)
     one_step = timed_block(step, batch, 10, device) / 10

@@ -29,6 +29,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.attention
 
 import gpukit as gk
 from gpukit.bench import synchronize
@@ -41,7 +42,9 @@ def deterministic_kernels():
     torch.use_deterministic_algorithms(True, warn_only=True)  # warn, not fail, where an op has no such kernel
     torch.backends.cudnn.benchmark = False
     try:
-        yield
+        # Attention's fused CUDA backwards add in a varying order; the math kernel does not.
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            yield
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]

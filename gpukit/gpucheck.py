@@ -52,7 +52,8 @@ BENCHMARK_ARGS = {
     "fit_overhead.py": "--width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6 --rounds 5".split(),
     "input_pipeline.py": "--decode-images 1024 --decode-size 512 --workers 8".split(),
 }
-STEPS = ("tests", "lessons", "benchmarks")
+STEP_SECONDS = {"tests": TESTS_SECONDS, "lessons": LESSONS_SECONDS, "benchmarks": BENCHMARKS_SECONDS}
+STEPS = tuple(STEP_SECONDS)
 EXIT_FAILED = 1  # a step failed or timed out
 EXIT_NO_GPU = 3  # nothing was run
 
@@ -580,7 +581,7 @@ def run_gpu_check(
     unknown = set(steps) - set(STEPS)
     if unknown:
         raise ValueError(f"unknown gpu-check step(s) {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}.")
-    if only is not None:
+    if only is not None:  # named wrong: said before anything runs, GPU or not
         root = repository_root()
         names = [
             p.name for p in [*(root / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(root / "benchmarks").glob("*.py")]
@@ -602,8 +603,7 @@ def run_gpu_check(
     report = functools.partial(print, flush=True)  # a line as each lesson or benchmark ends
     deadline = started + (seconds if seconds is not None else float("inf"))
     for step in steps:
-        limit = {"tests": TESTS_SECONDS, "lessons": LESSONS_SECONDS, "benchmarks": BENCHMARKS_SECONDS}[step]
-        limit = _time_left(deadline, limit)
+        limit = _time_left(deadline, STEP_SECONDS[step])
         if step == "tests":
             results.append(run_tests(root, logs, limit))
             report(summary_row(results[-1]))

@@ -1,0 +1,78 @@
+"""Time every lesson in one profile on this machine: `python tools/lesson_times.py --profile cpu`.
+
+Each lesson runs under nbval (`--nbval-lax --nbval-current-env`) in its own pytest and kernel, with
+GPUKIT_PROFILE set, as `make test` runs them in `tiny`. For each lesson it prints the result, the wall time,
+the load average before and after (other jobs on the machine slow a lesson down: read the times with it) and
+its slowest cells; at the end, a Markdown table for benchmarks/RESULTS.md. Logs and JUnit files go to
+runs/lesson-times/<date-time>/ (ignored by git).
+
+    python tools/lesson_times.py --profile cpu                 # every lesson, laptop sizes
+    python tools/lesson_times.py --profile cpu --only 01 06    # lessons whose names start with 01 or 06
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import torch
+
+from gpukit.gpucheck import child_environment, chosen, first_failure, markdown_table, run_command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cell_times(junit: Path) -> list[tuple[str, float]]:
+    """(cell name, seconds) for every cell nbval ran, from pytest's JUnit file; [] if it wrote none."""
+    if not junit.exists():
+        return []
+    return [(case.get("name", "?"), float(case.get("time", 0))) for case in ElementTree.parse(junit).iter("testcase")]
+
+
+def time_lesson(notebook: Path, profile: str, logs: Path, cell_seconds: int, lesson_seconds: int) -> dict:
+    junit = logs / f"{notebook.stem}.xml"
+    command = [
+        sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", str(notebook),
+        f"--nbval-cell-timeout={cell_seconds}", "-o", f"timeout={cell_seconds}", "-q", "-p", "no:cacheprovider",
+        f"--junitxml={junit}",
+    ]  # fmt: skip
+    load_before = os.getloadavg()[0]
+    status, _, seconds = run_command(
+        command, cwd=ROOT, environment=child_environment(ROOT, GPUKIT_PROFILE=profile), seconds=lesson_seconds,
+        log=logs / f"{notebook.stem}.log",
+    )  # fmt: skip
+    cells = sorted(cell_times(junit), key=lambda cell: -cell[1])
+    slowest = ", ".join(f"{name.replace('Cell ', 'cell ')} {time:.0f} s" for name, time in cells[:3])
+    return {
+        "lesson": notebook.stem, "result": status, "seconds": round(seconds),
+        "load before": round(load_before, 1), "load after": round(os.getloadavg()[0], 1),
+        "slowest cells": slowest if status == "pass" else first_failure(junit) or slowest,
+    }  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="cpu", choices=("tiny", "cpu", "gpu"))
+    parser.add_argument("--only", nargs="+", metavar="PREFIX", help="lessons whose names start with these")
+    parser.add_argument("--cell-seconds", type=int, default=900, help="nbval's limit for one cell")
+    parser.add_argument("--lesson-seconds", type=int, default=1800, help="a lesson is stopped after this")
+    args = parser.parse_args(argv)
+    logs = ROOT / "runs" / "lesson-times" / datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    logs.mkdir(parents=True)
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"Python {platform.python_version()}, profile {args.profile}; logs in {logs}", flush=True)  # fmt: skip
+    rows = []
+    for notebook in chosen((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), args.only):
+        rows.append(time_lesson(notebook, args.profile, logs, args.cell_seconds, args.lesson_seconds))
+        print(rows[-1], flush=True)
+    print("\n".join(markdown_table(list(rows[0]), rows)) if rows else "no lesson matched")
+    return 0 if all(row["result"] == "pass" for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,9 +5,15 @@ The second kinds of model every feature is tried with besides the lessons' CNN:
 - `CausalLM`: Hugging Face-style, model(input_ids=…, attention_mask=…, labels=…) returns a ModelOutput
   with .loss and .logits (or a plain dict with `as_dict=True`);
 - `images(batch)`: a seeded (B, 3, size, size) image batch; `tokens(batch, length)`: seeded byte tokens.
+- `lesson_cells(path)`, `run_lesson_cells(path, ids)`: a lesson's code cells, and some of them run here.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -58,3 +64,25 @@ class CausalLM(nn.Module):
             scores, targets = (logits[:, :-1], labels[:, 1:]) if self.shift else (logits, labels)
             output["loss"] = F.cross_entropy(scores.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return dict(output) if self.as_dict else output
+
+
+def lesson_cells(path: str | Path) -> dict[str, str]:
+    """A lesson's code cells, source by cell id, in reading order."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    return {cell["id"]: "".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"}
+
+
+def run_lesson_cells(path: str | Path, cell_ids: list[str]) -> dict:
+    """Run the code cells `cell_ids` of a lesson, in that order, in one namespace here (what the lesson's own code
+    decides, without a kernel); returns the namespace. Temporary folders the cells made (gpukit-* under the system's
+    temporary folder) are removed afterwards."""
+    cells, namespace = lesson_cells(path), {"__name__": "__main__", "display": lambda *objects: None}
+    try:
+        for cell_id in cell_ids:
+            exec(compile(cells[cell_id], f"{Path(path).name}[{cell_id}]", "exec"), namespace)
+    finally:
+        made = [value for value in namespace.values() if isinstance(value, Path) and value.name.startswith("gpukit-")]
+        for folder in made:
+            if folder.parent == Path(tempfile.gettempdir()):
+                shutil.rmtree(folder, ignore_errors=True)
+    return namespace

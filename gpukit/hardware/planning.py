@@ -282,6 +282,8 @@ def _present_machine(
         peak = row.peak_tflops(precision) if row is not None else None
         if peak is not None:
             return name, peak
+    elif device.type == "mps":
+        name = "this Mac's GPU (MPS)"
     else:
         name = f"this CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
     on_cpu = "fp32" if precision == "tf32" and device.type != "cuda" else precision  # tf32 is a GPU mode

@@ -436,6 +436,26 @@ def test_fit_data_on_cuda_is_pinned_and_prefetched(fake_cuda):
     assert [(copy["pinned"], copy["non_blocking"]) for copy in fake_cuda.copies] == [(True, True)] * 2  # asynchronous
 
 
+@pytest.mark.parametrize("refused", ["eval_data", "log_dir"])
+def test_a_fit_refused_before_training_leaves_every_generator_as_it_was(fake_cuda, tmp_path, refused):
+    """fit seeds torch's generators (the CPU's and every CUDA device's) only once every check has passed: an
+    eval_data the model cannot take (checked after the model moved to the device) or a log_dir that is a file (the
+    last check, after the checkpoint folder) changes neither. On the H100, test_checks_on_cuda found the CUDA
+    generator at fit's seed after a refused eval_data."""
+    torch.manual_seed(123)
+    torch.cuda.manual_seed(456)  # the fake's generators are CPU ones, so their state is real
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(2)]
+    (tmp_path / "a_file").write_text("")
+    options = {"eval_data": [(torch.randn(8, 5), torch.randint(0, 3, (8,)))]} if refused == "eval_data" else {}
+    options |= {"log_dir": tmp_path / "a_file"} if refused == "log_dir" else {}
+    before = torch.get_rng_state(), torch.cuda.get_rng_state(CUDA)
+    with pytest.raises(ValueError, match="eval_data's first batch" if refused == "eval_data" else "is a file"):
+        gk.fit(model, data, device="cuda", progress=False, seed=0, **options)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert torch.equal(torch.cuda.get_rng_state(CUDA), before[1])
+
+
 def _jpegs(count: int) -> list[bytes]:
     generator = torch.Generator().manual_seed(0)
     return [encode(torch.randint(0, 256, (3, 24, 32), dtype=torch.uint8, generator=generator)) for _ in range(count)]

@@ -147,9 +147,9 @@ def fit(
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
         History's columns); needs the `log` extra (pip install 'gpukit[log]').
     seed: what fit draws: the order of the loader fit builds for a Dataset, and torch's global generator
-        (the CPU's and every CUDA device's), seeded with seed + rank at the start, from which dropout and
-        any other random op in the model draw: two fits from the same weights with the same seed end
-        equal. Not seeded by it: the model's initial weights (seed before building it, e.g.
+        (the CPU's and every CUDA device's), seeded with seed + rank once every check has passed (a refused
+        call changes no generator), from which dropout and any other random op in the model draw: two fits
+        from the same weights with the same seed end equal. Not seeded by it: the model's initial weights (seed before building it, e.g.
         gk.seed_everything), the order of a loader you pass (its own seed; a DataLoader without a
         generator draws from torch's global one, so follows seed), NumPy's and Python's generators.
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
@@ -159,8 +159,7 @@ def fit(
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
     check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir)
-    # Dropout and the model's other draws; each rank its own masks, as independent processes would draw.
-    torch.manual_seed(check_int("seed", seed, minimum=0) + distributed.rank())
+    check_int("seed", seed, minimum=0)
     warmup = _warmup(warmup, warmup_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
@@ -224,6 +223,10 @@ def fit(
         if save_in_background:
             options.save_in_background(run.checkpoint)
         run.start_reporting(log_dir, progress, live_plot, monitor)
+        # Dropout and the model's other draws; each rank its own masks, as independent processes would draw. Seeded
+        # after the last check, so that a refused call leaves every generator (CPU and CUDA) as it was; a resumed run
+        # restores the saved generators over this at its first epoch.
+        torch.manual_seed(seed + distributed.rank())
         return _train(run, epochs)
     finally:
         options.undo()  # the last save on disk; the model without checkpointing or compiled blocks

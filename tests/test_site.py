@@ -217,6 +217,29 @@ def test_the_builder_runs_a_lesson_stops_at_its_error_and_plots_inline(tmp_path,
     assert kept.cells[5].execution_count is None and kept.cells[3].outputs[0].text == "check passed: arithmetic\n"
 
 
+def test_each_lessons_kernel_stops_when_the_lesson_ends(tmp_path, monkeypatch):
+    """nbclient shuts down only a kernel manager it created itself; the builder gives it its own, so it must stop
+    each kernel itself, or every lesson's kernel (and what it holds: GPU memory, workers) lives until the build ends.
+    A lesson that stops at an error is done too."""
+    started = []
+
+    class RecordedKernel(site.KernelManager):
+        def __init__(self, **options):
+            super().__init__(**options)
+            started.append(self)
+
+    monkeypatch.setattr(site, "KernelManager", RecordedKernel)
+    try:
+        for name, cells in (("00_passes", (SETUP, CHECK)), ("01_fails", (SETUP, FAILING_CHECK, CHECK))):
+            site.execute(write(tmp_path, name, lesson(*cells)), profile="tiny")
+        assert len(started) == 2
+        assert [kernel.is_alive() for kernel in started] == [False, False]
+    finally:
+        for kernel in started:  # what the builder left running, if it did
+            if kernel.is_alive():
+                kernel.shutdown_kernel(now=True)
+
+
 @pytest.mark.slow  # two pytest processes that import torch, and a kernel: 10-60 s
 def test_gpu_check_keeps_the_lessons_it_ran_for_the_site(tmp_path, monkeypatch):
     """gpu-check's own lesson command (nbval with gpukit.nbval_outputs) on a small lesson, then the site from it."""

@@ -1,8 +1,9 @@
 """The lessons' site (gpukit/site.py, `make site`), the notebooks gpu-check keeps for it, and its CI workflow.
 
-Most tests read notebooks whose outputs are written here by hand (no kernel). Three run kernels: a small lesson
-executed by the builder (seconds), the same through gpu-check's nbval command (slow: two pytest processes), and
-lesson 00 built in the tiny profile and opened in headless Chromium (slow: about a minute). Executing every lesson is `make site`'s job.
+Most tests read notebooks whose outputs are written here by hand (no kernel). Four run kernels: a small lesson
+executed by the builder (seconds), two more to see that each kernel stops when its lesson ends (seconds), the same
+through gpu-check's nbval command (slow: two pytest processes), and lesson 00 built in the tiny profile and opened in
+headless Chromium (slow: about a minute). Executing every lesson is `make site`'s job.
 """
 
 from __future__ import annotations

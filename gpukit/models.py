@@ -15,7 +15,18 @@ from torch import nn
 
 from .validation import check_int
 
-__all__ = ["GPT", "POSITIONS", "FastCNN", "count_parameters", "fast_cnn", "gpt", "linear_classifier", "resnet18"]
+__all__ = [
+    "ATTENTIONS",
+    "GPT",
+    "POSITIONS",
+    "FastCNN",
+    "count_parameters",
+    "fast_cnn",
+    "gpt",
+    "linear_classifier",
+    "manual_attention",
+    "resnet18",
+]
 
 
 def conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -121,18 +132,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
+ATTENTIONS = ("sdpa", "manual")
+
+
+def manual_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dropout: float = 0.0
+) -> torch.Tensor:
+    """Causal attention written out, as a transformer tutorial writes it: softmax(q·kᵀ / √head_dim) · v.
+
+    queries, keys, values (B, heads, T, head_dim) → (B, heads, T, head_dim). It builds the (B, heads, T, T)
+    matrix of scores, and autograd keeps the softmax's weights, of that shape, for backward: memory that grows
+    with T². F.scaled_dot_product_attention computes the same result without keeping that matrix.
+    """
+    length = queries.shape[-2]
+    scores = queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])  # (B, heads, T, T)
+    future = torch.ones(length, length, dtype=torch.bool, device=queries.device).triu(1)  # key after the query
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, heads, T, T), kept for backward
+    if dropout:
+        weights = F.dropout(weights, dropout)
+    return weights @ values
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which position t sees positions 0…t only.
 
     (B, T, width) → queries, keys, values (B, heads, T, width / heads) → attention → (B, T, width).
-    scaled_dot_product_attention picks the fastest kernel the device has (flash attention on
-    recent GPUs), and is_causal=True masks the future without building a (T, T) mask.
+    attention="sdpa": F.scaled_dot_product_attention picks the fastest kernel the device has (flash
+    attention on recent GPUs), and is_causal=True masks the future without building a (T, T) mask.
+    attention="manual": `manual_attention`, the same result written out, which keeps a (B, heads, T, T)
+    matrix for backward (lesson 06 measures what that costs).
     """
 
-    def __init__(self, width: int, heads: int, dropout: float):
+    def __init__(self, width: int, heads: int, dropout: float, attention: str = "sdpa"):
+        if attention not in ATTENTIONS:
+            raise ValueError(
+                f"attention must be one of {', '.join(map(repr, ATTENTIONS))}, got {attention!r}: 'sdpa' is "
+                "F.scaled_dot_product_attention, 'manual' the same softmax(q·kᵀ/√d)·v written out."
+            )
         super().__init__()
         self.heads = heads
         self.dropout = dropout
+        self.attention = attention
         self.qkv = nn.Linear(width, 3 * width, bias=False)  # one matmul for queries, keys and values
         self.out = nn.Linear(width, width, bias=False)
         self.out_dropout = nn.Dropout(dropout)
@@ -143,9 +183,11 @@ class CausalSelfAttention(nn.Module):
         queries, keys, values = self.qkv(x).view(batch_size, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         if rotary is not None:
             queries, keys = apply_rotary(queries, *rotary), apply_rotary(keys, *rotary)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, heads, T, head_dim)
+        dropout = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            attended = F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout, is_causal=True)
+        else:
+            attended = manual_attention(queries, keys, values, dropout)  # (B, heads, T, head_dim)
         return self.out_dropout(self.out(attended.transpose(1, 2).reshape(batch_size, length, width)))
 
 
@@ -157,11 +199,11 @@ class Block(nn.Module):
     and training is stable without the long learning-rate warm-up that post-norm needs.
     """
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float, dropout: float):
+    def __init__(self, width: int, heads: int, mlp_ratio: float, dropout: float, attention: str = "sdpa"):
         super().__init__()
         hidden = int(mlp_ratio * width)
         self.attention_norm = nn.LayerNorm(width)
-        self.attention = CausalSelfAttention(width, heads, dropout)
+        self.attention = CausalSelfAttention(width, heads, dropout, attention)
         self.mlp_norm = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
             nn.Linear(width, hidden, bias=False), nn.GELU(), nn.Linear(hidden, width, bias=False), nn.Dropout(dropout)
@@ -184,6 +226,8 @@ class GPT(nn.Module):
     position's output as well as from its input, which helps small models on little data.
     positions="learned" adds an embedding of each position 0…max_seq_len-1; "rotary" (RoPE)
     rotates queries and keys by their position instead, which encodes relative offsets.
+    attention="sdpa" runs F.scaled_dot_product_attention; "manual" the same softmax(q·kᵀ/√d)·v written
+    out, which keeps each block's (B, heads, T, T) attention matrix for backward (see CausalSelfAttention).
     Linear layers have no bias, as in Llama and nanoGPT's bias=False ("a bit better and faster").
     """
 
@@ -198,6 +242,7 @@ class GPT(nn.Module):
         positions: str = "learned",
         mlp_ratio: float = 4,
         dropout: float = 0.0,
+        attention: str = "sdpa",
     ):
         sizes = {"vocab_size": vocab_size, "max_seq_len": max_seq_len, "width": width, "depth": depth, "heads": heads}
         for name, value in sizes.items():
@@ -218,7 +263,7 @@ class GPT(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
         super().__init__()
         self.vocab_size, self.max_seq_len, self.width, self.depth = vocab_size, max_seq_len, width, depth
-        self.heads, self.positions = heads, positions
+        self.heads, self.positions, self.attention = heads, positions, attention
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.position_embedding = nn.Embedding(max_seq_len, width) if positions == "learned" else None
         if positions == "rotary":  # not persistent: recomputed here, never stored in a checkpoint
@@ -226,7 +271,7 @@ class GPT(nn.Module):
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
         self.embedding_dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio, dropout) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio, dropout, attention) for _ in range(depth))
         self.final_norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied: one parameter, counted once by parameters()
@@ -328,7 +373,7 @@ class GPT(nn.Module):
 
 def gpt(vocab_size: int = 256, **sizes) -> GPT:
     """The kit's small GPT, GPT(vocab_size, **sizes) (max_seq_len, width, depth, heads, positions,
-    mlp_ratio, dropout): about 0.85 M parameters at the defaults (bytes as tokens, 256 of them).
+    mlp_ratio, dropout, attention): about 0.85 M parameters at the defaults (bytes as tokens, 256 of them).
 
     Parameters: vocab_size·width (embedding and head, tied) + max_seq_len·width (learned
     positions only) + depth·(4 + 2·mlp_ratio)·width² (attention and MLP) + LayerNorms.

@@ -99,15 +99,17 @@ def execute(path: Path, profile: str | None = None, cell_seconds: float = CELL_S
     The kernel starts in the lesson's folder (as under nbval), imports this gpukit (its folder first on
     PYTHONPATH), plots inline (MPLBACKEND is dropped: Agg would show no figure) and runs with
     GPUKIT_PROFILE=`profile` if given. An error, a cell over `cell_seconds` (interrupted: its traceback says
-    where) or a dead kernel is left in the notebook for `describe` to report."""
+    where) or a dead kernel is left in the notebook for `describe` to report. The kernel is shut down when the
+    lesson ends, however it ends."""
     notebook = nbformat.read(path, as_version=4)
     environment = child_environment(
         Path(__file__).resolve().parents[1], **({"GPUKIT_PROFILE": profile} if profile else {})
     )
     environment.pop("MPLBACKEND", None)
+    kernel = KernelManager(kernel_spec_manager=ThisPython())
     client = NotebookClient(
         notebook,
-        km=KernelManager(kernel_spec_manager=ThisPython()),
+        km=kernel,
         timeout=cell_seconds,
         interrupt_on_timeout=True,
         resources={"metadata": {"path": str(path.parent)}},
@@ -120,10 +122,22 @@ def execute(path: Path, profile: str | None = None, cell_seconds: float = CELL_S
         pass  # the cell holds the error's output
     except (CellTimeoutError, DeadKernelError) as error:  # the cell may hold no output that says so
         stopped = " ".join(str(error).split())[:300]
+    finally:
+        shut_down(client, kernel)
     notebook.metadata[METADATA_KEY] = {"executed": executed, "seconds": round(time.perf_counter() - started, 1)}
     if stopped:
         notebook.metadata[METADATA_KEY]["stopped"] = stopped
     return notebook
+
+
+def shut_down(client: NotebookClient, kernel: KernelManager) -> None:
+    """Close the client's channels and stop the lesson's kernel. nbclient shuts down only a kernel manager it
+    created itself (its `owns_km`); `execute` gives it one of its own (to run this Python), so without this every
+    lesson's kernel, and what it holds (GPU memory, worker processes), would live until the whole build ends."""
+    if client.kc is not None:
+        client.kc.stop_channels()
+    if kernel.has_kernel:
+        kernel.shutdown_kernel()  # asks the kernel to exit (its atexit handlers run); kills it after a few seconds
 
 
 # ---------------------------------------------------------------------------------------------

@@ -298,6 +298,64 @@ def test_tensors_saved_for_a_dropped_graph_are_not_activations(function):
 
 
 # ---------------------------------------------------------------------------------------------
+# saved_bytes: the independent count with PyTorch's hooks, on a real run
+
+
+def sums(outputs, target):  # a loss that saves nothing for backward: what the layers save is all there is
+    return outputs.sum()
+
+
+def test_saved_bytes_of_two_linear_layers_are_their_inputs():
+    """Each Linear saves its input for its weight's gradient; the second also its weight (a parameter: left out).
+    The batch is a slice of 100 rows: its own 5 rows count, not the storage behind them."""
+    data, labels = torch.randn(100, 8), torch.zeros(100, dtype=torch.long)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3)).eval()
+    assert memory.saved_bytes(model, (data[:5], labels[:5]), sums, device="cpu") == 5 * (8 + 16) * 4  # fp32
+    assert not model.training  # a copy ran in training mode: yours is left in eval mode
+    with_loss = memory.saved_bytes(model, (data[:5], labels[:5]), device="cpu")  # fit's cross-entropy saves more
+    assert with_loss > 5 * (8 + 16) * 4
+
+
+def test_saved_bytes_of_a_convolution_and_relu_are_its_input_and_their_output():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten())  # Flatten: a view, saves nothing
+    batch_size, height, width = 2, 6, 5
+    counted = memory.saved_bytes(model, (torch.randn(batch_size, 3, height, width), torch.zeros(2)), sums, device="cpu")
+    assert counted == batch_size * height * width * (3 + 4) * 4  # the conv's input (3 channels), ReLU's output (4)
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_saved_bytes_agree_with_the_prediction_and_the_breakdown(kind):
+    generator = torch.Generator().manual_seed(0)
+    if kind == "cnn":
+        model, batch = gk.models.fast_cnn(8), (images(16), torch.randint(0, 10, (16,), generator=generator))
+    else:
+        tokens = torch.randint(0, 256, (8, 33), generator=generator)  # (B, T + 1) windows
+        model, batch = tiny_gpt(), (tokens[:, :-1], tokens[:, 1:])
+    counted = memory.saved_bytes(model, batch, device="cpu")
+    assert counted == memory.estimate(model, batch, device="cpu").activations
+    assert counted == memory.breakdown(model, batch, device="cpu").activations
+
+
+def test_saved_bytes_show_the_manual_attentions_t_by_t_matrices():
+    """Per block, the hand-written attention keeps its softmax weights (B, heads, T, T) in fp32 and a (T, T) mask of
+    bools; the fused one keeps (B, heads, T) statistics instead. The rest of the model saves the same."""
+    batch_size, length, depth, heads = 4, 32, 2, 2
+    tokens = torch.randint(0, 256, (batch_size, length + 1), generator=torch.Generator().manual_seed(0))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    fused, manual = (
+        memory.saved_bytes(tiny_gpt(depth=depth, heads=heads, attention=name), batch, device="cpu")
+        for name in ("sdpa", "manual")
+    )
+    weights = depth * batch_size * heads * length * length * 4
+    assert abs((manual - fused) - weights) <= depth * (length * length + batch_size * heads * length * 4)
+
+
+def test_saved_bytes_need_a_batch_with_a_target():
+    with pytest.raises(TypeError, match="the accepted forms are"):
+        memory.saved_bytes(gk.models.fast_cnn(8), images(2), device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input
 
 

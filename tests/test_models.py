@@ -120,9 +120,39 @@ def test_gpt_rejects_bad_settings():
         gk.models.gpt(positions="sinusoidal")
     with pytest.raises(ValueError, match="even"):
         gk.models.gpt(width=12, heads=4, positions="rotary")  # head dimension 3
+    with pytest.raises(ValueError, match=r"attention must be one of 'sdpa', 'manual', got 'flash'"):
+        gk.models.gpt(attention="flash")
     for setting in [dict(depth=0), dict(vocab_size=0), dict(max_seq_len=-1), dict(dropout=1.0), dict(mlp_ratio=0)]:
         with pytest.raises(ValueError):
             gk.models.gpt(**setting)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_gpt_manual_attention_gives_the_fused_attentions_logits_and_gradients(positions):
+    torch.manual_seed(0)
+    fused = tiny_gpt(positions)
+    manual = tiny_gpt(positions, attention="manual")
+    manual.load_state_dict(fused.state_dict())  # the same weights: only the attention's code differs
+    assert {block.attention.attention for block in manual.blocks} == {"manual"} and manual.attention == "manual"
+    tokens, targets = random_tokens(3, 16, seed=1), random_tokens(3, 16, seed=2)
+    fused_logits, manual_logits = fused(tokens), manual(tokens)
+    torch.testing.assert_close(manual_logits, fused_logits, rtol=1e-5, atol=1e-5)  # fp32 rounding only
+    next_token_loss(fused_logits, targets).backward()
+    next_token_loss(manual_logits, targets).backward()
+    for (name, parameter), other in zip(fused.named_parameters(), manual.parameters()):
+        torch.testing.assert_close(other.grad, parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_manual_attention_is_causal_and_matches_sdpa_with_dropout_off():
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    queries, keys, values = torch.randn(3, 2, 4, 5, 8, device="cpu", generator=generator)  # (B, heads, T, head_dim)
+    expected = F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
+    torch.testing.assert_close(gk.models.manual_attention(queries, keys, values), expected, rtol=1e-5, atol=1e-6)
+    changed = keys.clone()
+    changed[:, :, 3] += 1  # a later key: positions 0…2 must not see it
+    torch.testing.assert_close(
+        gk.models.manual_attention(queries, changed, values)[:, :, :3], expected[:, :, :3], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("positions", POSITIONS)

@@ -1,8 +1,9 @@
 """The lessons' site (gpukit/site.py, `make site`), the notebooks gpu-check keeps for it, and its CI workflow.
 
-Most tests read notebooks whose outputs are written here by hand (no kernel). Three run kernels: a small lesson
-executed by the builder (seconds), the same through gpu-check's nbval command (slow: two pytest processes), and
-lesson 00 built in the tiny profile and opened in headless Chromium (slow: about a minute). Executing every lesson is `make site`'s job.
+Most tests read notebooks whose outputs are written here by hand (no kernel). Four run kernels: a small lesson
+executed by the builder (seconds), two more to see that each kernel stops when its lesson ends (seconds), the same
+through gpu-check's nbval command (slow: two pytest processes), and lesson 00 built in the tiny profile and opened in
+headless Chromium (slow: about a minute). Executing every lesson is `make site`'s job.
 """
 
 from __future__ import annotations
@@ -215,6 +216,29 @@ def test_the_builder_runs_a_lesson_stops_at_its_error_and_plots_inline(tmp_path,
     assert described.seconds is not None and described.seconds > 0
     kept = nbformat.read(tmp_path / "site" / "03_small.ipynb", as_version=4)
     assert kept.cells[5].execution_count is None and kept.cells[3].outputs[0].text == "check passed: arithmetic\n"
+
+
+def test_each_lessons_kernel_stops_when_the_lesson_ends(tmp_path, monkeypatch):
+    """nbclient shuts down only a kernel manager it created itself; the builder gives it its own, so it must stop
+    each kernel itself, or every lesson's kernel (and what it holds: GPU memory, workers) lives until the build ends.
+    A lesson that stops at an error is done too."""
+    started = []
+
+    class RecordedKernel(site.KernelManager):
+        def __init__(self, **options):
+            super().__init__(**options)
+            started.append(self)
+
+    monkeypatch.setattr(site, "KernelManager", RecordedKernel)
+    try:
+        for name, cells in (("00_passes", (SETUP, CHECK)), ("01_fails", (SETUP, FAILING_CHECK, CHECK))):
+            site.execute(write(tmp_path, name, lesson(*cells)), profile="tiny")
+        assert len(started) == 2
+        assert [kernel.is_alive() for kernel in started] == [False, False]
+    finally:
+        for kernel in started:  # what the builder left running, if it did
+            if kernel.is_alive():
+                kernel.shutdown_kernel(now=True)
 
 
 @pytest.mark.slow  # two pytest processes that import torch, and a kernel: 10-60 s

@@ -5,6 +5,8 @@ breakdown()        one training step measured: parameters, gradients, optimizer 
                    activations, the rest, the peak (measuring.py).
 estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py);
                    fused kernels' workspaces that fake tensors miss, such as oneDNN's LSTM (fused_workspaces.py).
+saved_bytes()      the bytes autograd saves in one real forward pass and loss, counted with PyTorch's own
+                   saved-tensor hooks and nothing of the above: an independent check (autograd_hooks.py).
 layer_workspaces() on a CUDA GPU, the scratch memory each layer takes inside its operators (cuDNN's
                    convolution workspaces), which no prediction from tensors includes (workspaces.py).
 optimizer_state_bytes()  the optimizer state each optimizer name keeps, from the parameters (prediction.py).
@@ -40,6 +42,7 @@ from .allocator import (
     limit_gpu_memory,
     record_snapshot,
 )
+from .autograd_hooks import saved_bytes
 from .measuring import Measurement, breakdown, measure
 from .offload import OffloadActivations, OffloadCost, offload_cost
 from .parts import MemoryBreakdown, breakdown_table, plot_breakdowns, plot_memory_timeline
@@ -76,6 +79,7 @@ __all__ = [
     "plot_memory_timeline",
     "record_snapshot",
     "remove_activation_checkpointing",
+    "saved_bytes",
 ]
 
 __getattr__ = renamed(

@@ -209,3 +209,17 @@ def test_compare_speed_times_each_variant_at_each_shape(device):
         fp8.compare_speed({"odd": (8, 10, 16)}, device=device, config=emulated())
     with pytest.raises(ValueError, match="runs on cpu"):
         fp8.compare_speed(device=device)  # real FP8 matmuls: refused before building anything
+
+
+@pytest.mark.gpu
+@needs_torchao
+def test_real_fp8_through_fit_trains_close_to_bf16_on_a_gpu_with_fp8_tensor_cores(corpus):
+    ready, reason = fp8.supported("cuda")
+    if not ready:
+        pytest.skip(reason)
+    options = dict(batch_size=8, max_steps=4, log_every=1, progress=False, device="cuda", precision="bf16-mixed")
+    bf16 = gk.fit(tiny_gpt(), corpus[0], **options).losses
+    model = tiny_gpt()
+    losses = gk.fit(model, corpus[0], fp8=True, **options).losses
+    assert losses != bf16 and all(math.isclose(a, b, rel_tol=0.02) for a, b in zip(losses, bf16)), (losses, bf16)
+    assert all(type(module) is nn.Linear for module in model.modules() if isinstance(module, nn.Linear))

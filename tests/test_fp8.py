@@ -136,14 +136,17 @@ def test_fit_trains_in_emulated_fp8_close_to_fp32_and_gives_the_layers_back(buil
 
 
 @needs_torchao
-def test_fit_converts_before_compiling(corpus, device):
-    """fp8 and compile together: the compiled graph runs the FP8 layers (the aot_eager backend: the same graph capture
-    as the default, without the minutes of code generation a CPU would need), as the eager FP8 run does."""
+def test_fit_converts_before_checkpointing_and_compiling(corpus, device):
+    """fp8 with selective checkpointing and with compile: the recomputed regions and the compiled graph run the FP8
+    layers (the aot_eager backend: the same graph capture as the default, without the minutes of code generation a
+    CPU would need), as the plain FP8 run does."""
     options = dict(batch_size=8, max_steps=3, log_every=1, progress=False, device=device, fp8=emulated())
     eager = gk.fit(tiny_gpt(seed=4), corpus[0], **options)
     compiled = gk.fit(tiny_gpt(seed=4), corpus[0], compile={"backend": "aot_eager"}, **options)
+    checkpointed = gk.fit(tiny_gpt(seed=4), corpus[0], activation_checkpointing="selective", **options)
     plain = gk.fit(tiny_gpt(seed=4), corpus[0], **(options | dict(fp8=False)))
-    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(compiled.losses, eager.losses))
+    for losses in (compiled.losses, checkpointed.losses):
+        assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses, eager.losses)), (losses, eager.losses)
     assert compiled.losses != plain.losses  # (FP8 changed them: the compiled graph did not run plain layers)
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from .. import fp8 as float8
 from ..env import resolve_device
 from ..hardware.monitor import Monitor
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
@@ -71,6 +72,7 @@ def fit(
     compile: bool | str | dict = False,
     activation_checkpointing: str | None = None,
     offload_activations: bool = False,
+    fp8=False,
     device: str | torch.device | None = None,
     eval_data=None,
     loss_fn: str | Callable | None = None,
@@ -117,6 +119,11 @@ def fit(
     activation_checkpointing, offload_activations: "full" or "selective" activation checkpointing of every
         block (gk.memory.apply_activation_checkpointing; selective keeps matmul and attention outputs); saved
         activations kept in host memory on a GPU (gk.memory.offload). Both are undone when fit returns.
+    fp8: True trains every plain nn.Linear whose dimensions are multiples of 16 with FP8 matmuls (torchao's
+        Float8Linear, tensorwise scales; the `fp8` extra), converted before compiling and back to nn.Linear when fit
+        returns; `precision` ("bf16-mixed", as torchao trains) runs the rest. Needs FP8 tensor cores (compute
+        capability 8.9: L4, H100 and newer), and pays only on large matmuls with compile (gk.fp8.compare_speed). A
+        torchao Float8LinearConfig picks another recipe; Float8LinearConfig(emulate=True) runs on any device.
     device: where to train (default: this process's device in a distributed job, else the best here).
     eval_data, loss_fn, label_smoothing, metrics: held-out data evaluated after every epoch; your
         function of (outputs, target), which gets the outputs exactly as the model returned them (a
@@ -163,7 +170,10 @@ def fit(
     warmup = _warmup(warmup, warmup_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
+    fp8_config = float8.training_config(fp8, device)  # raises before any work without torchao or FP8 tensor cores
     _check_model(model)
+    if fp8_config is not None:
+        float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
     check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
@@ -182,7 +192,7 @@ def fit(
         metrics=metrics,
     )
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
-    options = ModelOptions(model, device, activation_checkpointing, compile, offload_activations)
+    options = ModelOptions(model, device, activation_checkpointing, compile, offload_activations, fp8_config)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
     forward = options.forward(parallel)  # compiled and offloading, if asked
     run = _Run(
@@ -217,6 +227,8 @@ def fit(
         "label_smoothing": label_smoothing,
         "seed": seed,
     }
+    if fp8_config is not None:  # a setting only when on: runs saved before fit had fp8 resume as they were
+        settings["fp8"] = True
     del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
     try:
         run.resume_from(checkpoint_dir, save_every, settings, partial(make_schedule, schedule=schedule, warmup=warmup))

@@ -1,5 +1,7 @@
 """What fit does to the model around training, each off unless asked, and undone when fit returns:
 
+    fp8=True | a torchao Float8LinearConfig        FP8 matmuls in every plain nn.Linear whose dimensions are
+                                                    multiples of 16 (gk.fp8.convert: torchao's Float8Linear);
     activation_checkpointing="full" | "selective"   gk.memory.apply_activation_checkpointing on every block;
     compile=True | "whole" | "regional" | "reduce-overhead" | {torch.compile options}
                                                     the whole model, each block (gk.compiling.compile_regions),
@@ -8,7 +10,8 @@
     save_in_background=True                         checkpoint_dir's saves written by a thread
                                                     (gpukit.train.async_checkpoint).
 
-They compose in torchtitan's order: checkpointing, then compiling, then the data-parallel wrapper.
+They compose in torchtitan's order: converting to FP8, checkpointing, then compiling, then the data-parallel
+wrapper (torch.compile then traces the FP8 casts and fuses them with their neighbours).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import warnings
 import torch
 from torch import nn
 
+from .. import fp8 as float8
 from ..compiling import COMPILE_MODES, compile_regions, remove_compiled_regions
 from ..memory.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -46,21 +50,25 @@ def check_model_options(activation_checkpointing, compile, offload_activations, 
 
 
 class ModelOptions:
-    """The options applied to `model` (checkpointing and regional compiling, in place), the callable the step
-    runs (`forward`), and `undo` for when training ends."""
+    """The options applied to `model` (FP8 layers, checkpointing and regional compiling, in place), the callable the
+    step runs (`forward`), and `undo` for when training ends. `fp8_config`: gk.fp8.training_config's answer."""
 
-    def __init__(self, model: nn.Module, device: torch.device, activation_checkpointing, compile, offload_activations):
+    def __init__(
+        self, model: nn.Module, device: torch.device, activation_checkpointing, compile, offload_activations, fp8_config
+    ):
         self.model, self.compile = model, compile
         self.writer: BackgroundWriter | None = None
-        self.checkpointed = activation_checkpointing is not None
-        if self.checkpointed:
-            apply_activation_checkpointing(model, policy=activation_checkpointing)
-        if compile == "regional":
-            try:
+        self.fp8_layers = float8.convert(model, fp8_config) if fp8_config is not None else []
+        self.checkpointed = False
+        try:
+            if activation_checkpointing is not None:
+                apply_activation_checkpointing(model, policy=activation_checkpointing)
+                self.checkpointed = True
+            if compile == "regional":
                 compile_regions(model)
-            except (TypeError, ValueError):
-                self.undo()  # the model as it came, then the error that says what to do
-                raise
+        except (TypeError, ValueError):
+            self.undo()  # the model as it came, then the error that says what to do
+            raise
         self.offload = offload_activations and device.type == "cuda"
         if offload_activations and not self.offload:
             warnings.warn(
@@ -83,7 +91,8 @@ class ModelOptions:
         self.writer = checkpointer.writer = BackgroundWriter()
 
     def undo(self) -> None:
-        """Wait for a save in flight, then give the model back as it came (without checkpointing or compiled blocks)."""
+        """Wait for a save in flight, then give the model back as it came (without checkpointing, compiled blocks or
+        FP8 layers: the same Parameters in nn.Linear layers again)."""
         try:
             if self.writer is not None:
                 self.writer.wait()
@@ -92,3 +101,5 @@ class ModelOptions:
                 remove_compiled_regions(self.model)  # (blocks never compiled are left as they are)
             if self.checkpointed:
                 remove_activation_checkpointing(self.model)
+            if self.fp8_layers:
+                float8.unconvert(self.model)

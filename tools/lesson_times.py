@@ -3,7 +3,8 @@
 Each lesson runs under nbval (`--nbval-lax --nbval-current-env`) in its own pytest and kernel, with
 GPUKIT_PROFILE set, as `make test` runs them in `tiny`. For each lesson it prints the result, the wall time,
 the load average before and after (other jobs on the machine slow a lesson down: read the times with it) and
-its slowest cells; at the end, a Markdown table for benchmarks/RESULTS.md. Logs and JUnit files go to
+its slowest cells, and how many lines it printed that start with "skipped:"; at the end, a Markdown table for
+benchmarks/RESULTS.md. Logs, JUnit files and the executed lessons (notebooks/, with their outputs) go to
 runs/lesson-times/<date-time>/ (ignored by git).
 
     python tools/lesson_times.py --profile cpu                 # every lesson, laptop sizes
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -34,12 +36,21 @@ def cell_times(junit: Path) -> list[tuple[str, float]]:
     return [(case.get("name", "?"), float(case.get("time", 0))) for case in ElementTree.parse(junit).iter("testcase")]
 
 
+def skipped_lines(executed: Path) -> list[str]:
+    """The lines an executed lesson printed that start with "skipped:" (a check not made here, and why)."""
+    if not executed.exists():
+        return []
+    cells = json.loads(executed.read_text())["cells"]
+    texts = ["".join(output.get("text", "")) for cell in cells for output in cell.get("outputs", [])]
+    return [line.strip() for text in texts for line in text.splitlines() if line.strip().startswith("skipped:")]
+
+
 def time_lesson(notebook: Path, profile: str, logs: Path, cell_seconds: int, lesson_seconds: int) -> dict:
     junit = logs / f"{notebook.stem}.xml"
     command = [
         sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", str(notebook),
         f"--nbval-cell-timeout={cell_seconds}", "-o", f"timeout={cell_seconds}", "-q", "-p", "no:cacheprovider",
-        f"--junitxml={junit}",
+        f"--junitxml={junit}", "-p", "gpukit.nbval_outputs", f"--nbval-keep-outputs={logs / 'notebooks'}",
     ]  # fmt: skip
     load_before = os.getloadavg()[0]
     status, _, seconds = run_command(
@@ -51,6 +62,7 @@ def time_lesson(notebook: Path, profile: str, logs: Path, cell_seconds: int, les
     return {
         "lesson": notebook.stem, "result": status, "seconds": round(seconds),
         "load before": round(load_before, 1), "load after": round(os.getloadavg()[0], 1),
+        "checks skipped": len(skipped_lines(logs / "notebooks" / notebook.name)),
         "slowest cells": slowest if status == "pass" else first_failure(junit) or slowest,
     }  # fmt: skip
 

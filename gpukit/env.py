@@ -56,9 +56,9 @@ PROFILES = {
     ),
     # A laptop without a GPU: minutes per lesson.
     "cpu": Profile(
-        name="cpu", train_size=20_000, test_size=5_000, epochs=8, width=32, batch_size=128,
-        batch_sizes=(16, 32, 64, 128, 256), bench_repeats=10, matmul_size=1024,
-        text_bytes=4_000_000, seq_len=128, gpt_width=128, gpt_depth=4, gpt_heads=4, gpt_steps=600,
+        name="cpu", train_size=10_240, test_size=2_048, epochs=5, width=12, batch_size=64,
+        batch_sizes=(16, 32, 64, 128), bench_repeats=7, matmul_size=1024,
+        text_bytes=2_000_000, seq_len=128, gpt_width=96, gpt_depth=3, gpt_heads=4, gpt_steps=300,
     ),
     # Full size on a CUDA GPU.
     "gpu": Profile(

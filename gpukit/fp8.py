@@ -205,6 +205,8 @@ def _hardware_reason(device: torch.device) -> str | None:
             "FP8 matmuls need an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, L40S, "
             f"H100, H200, B200), and this runs on {device.type}"
         )
+    if not torch.cuda.is_available():  # asked for CUDA where this torch sees none (a Mac's torch has no CUDA)
+        return f"FP8 matmuls need an NVIDIA GPU with FP8 tensor cores, and this torch sees no CUDA GPU for {device}"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_COMPUTE_CAPABILITY:
         return (

@@ -15,6 +15,10 @@ STAMP := $(VENV)/.installed
 KERNEL_DISPLAY_NAME := Python 3
 # Extra pytest options, e.g. make unit PYTEST_ARGS=--random-order (any order) or PYTEST_ARGS="-k memory".
 PYTEST_ARGS ?=
+# Processes make test runs the suite in (pytest-xdist; each test file and each lesson runs whole in one of them).
+# Two fill CI's two cores: the suite took 17 min instead of about 30 in one. With an NVIDIA GPU, one: lessons
+# that time the GPU or fill its memory must not run beside each other. make test TEST_WORKERS=1 runs it in one.
+TEST_WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),1,2)
 # JupyterLab also writes the kernel's language_info (with the Python version) into every notebook it opens;
 # this server hook keeps the one the file has (gpukit/jupyter.py), so `git status` stays clean.
 LAB_OPTIONS := --FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info
@@ -43,7 +47,8 @@ lab: setup
 	$(BIN)/jupyter lab $(LAB_OPTIONS) notebooks/
 
 test: setup
-	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit tests without the slow ones (a browser, strict nbval, the fake GPU's coverage): a few minutes.
 unit: setup

@@ -61,7 +61,7 @@ def time_lesson(notebook: Path, profile: str, logs: Path, cell_seconds: int, les
     slowest = ", ".join(f"{name.replace('Cell ', 'cell ')} {time:.0f} s" for name, time in cells[:3])
     return {
         "lesson": notebook.stem, "result": status, "seconds": round(seconds),
-        "load before": round(load_before, 1), "load after": round(os.getloadavg()[0], 1),
+        "load before": f"{load_before:.1f}", "load after": f"{os.getloadavg()[0]:.1f}",
         "checks skipped": len(skipped_lines(logs / "notebooks" / notebook.name)),
         "slowest cells": slowest if status == "pass" else first_failure(junit) or slowest,
     }  # fmt: skip

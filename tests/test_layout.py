@@ -219,16 +219,20 @@ def test_the_code_is_ruff_formatted_with_few_exceptions():
     assert len(skips) <= 10, skips
 
 
-def test_no_function_is_longer_than_80_lines():
-    """A function fits on a screen: at most 80 lines of code after its docstring (fit's parts: 60)."""
+def test_every_function_fits_on_a_screen():
+    """A function fits on a screen: at most 80 lines of code after its docstring; in gpukit/train (fit and its
+    parts), 60, as STYLE.md asks."""
     long = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body[1:] if ast.get_docstring(node) and len(node.body) > 1 else node.body
                 lines = node.end_lineno - body[0].lineno + 1
-                if lines > 80:
-                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
+                limit = 60 if path.parent.name == "train" else 80  # fit = setup + an epoch + a step, each on a screen
+                if lines > limit:
+                    long.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} > {limit} lines)"
+                    )
     assert not long, long
 
 

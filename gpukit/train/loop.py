@@ -181,16 +181,8 @@ def fit(
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    check_eval_data(
-        model,
-        eval_data,
-        epochs=epochs,
-        device=device,
-        precision=precision,
-        channels_last=channels_last,
-        loss_fn=loss_fn,
-        metrics=metrics,
-    )
+    check_eval_data(model, eval_data, epochs=epochs, device=device, precision=precision, channels_last=channels_last,
+                    loss_fn=loss_fn, metrics=metrics)  # fmt: skip
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
     options = ModelOptions(model, device, activation_checkpointing, compile, offload_activations, fp8_config)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
@@ -217,18 +209,8 @@ def fit(
         eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
     )
-    settings = {
-        "lr": peak_lr,
-        "optimizer": optimizer if isinstance(optimizer, str) else type(built).__name__,
-        "schedule": schedule,
-        "warmup": warmup,
-        "clip": clip,
-        "precision": precision.name,
-        "label_smoothing": label_smoothing,
-        "seed": seed,
-    }
-    if fp8_config is not None:  # a setting only when on: runs saved before fit had fp8 resume as they were
-        settings["fp8"] = True
+    optimizer_name = optimizer if isinstance(optimizer, str) else type(built).__name__
+    settings = _settings(peak_lr, optimizer_name, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config)
     del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
     try:
         run.resume_from(checkpoint_dir, save_every, settings, partial(make_schedule, schedule=schedule, warmup=warmup))
@@ -242,6 +224,24 @@ def fit(
         return _train(run, epochs)
     finally:
         options.undo()  # the last save on disk; the model without checkpointing or compiled blocks
+
+
+def _settings(lr, optimizer, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config) -> dict:
+    """The hyper-parameters saved with each checkpoint: resuming with others is refused (the Checkpointer), except
+    lr, schedule and warmup when a finished run is extended."""
+    settings = {
+        "lr": lr,
+        "optimizer": optimizer,
+        "schedule": schedule,
+        "warmup": warmup,
+        "clip": clip,
+        "precision": precision.name,
+        "label_smoothing": label_smoothing,
+        "seed": seed,
+    }
+    if fp8_config is not None:  # a setting only when on: runs saved before fit had fp8 resume as they were
+        settings["fp8"] = True
+    return settings
 
 
 def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:

@@ -191,7 +191,9 @@ def main() -> None:
     parser.add_argument("--models", default="cnn,gpt")
     parser.add_argument("--width", type=int, default=16, help="fast CNN width (16: 0.14 M parameters)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per step for the CNN")
-    parser.add_argument("--gpt-width", type=int, default=128, help="the cpu profile's GPT: 0.8 M parameters")
+    parser.add_argument(
+        "--gpt-width", type=int, default=128, help="with 4 blocks: 0.8 M parameters, the size RESULTS.md reports"
+    )
     parser.add_argument("--gpt-depth", type=int, default=4)
     parser.add_argument("--gpt-heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)

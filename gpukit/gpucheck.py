@@ -329,6 +329,17 @@ def chosen(paths, only: list[str] | None) -> list[Path]:
     return paths if only is None else [path for prefix in only for path in paths if path.name.startswith(prefix)]
 
 
+def lesson_command(notebook: Path, junit: Path, keep: Path, cell_seconds: int, seconds: int) -> list[str]:
+    """pytest running one lesson under nbval as make test does (`--nbval-lax --nbval-current-env`): a cell failed by
+    nbval after `cell_seconds` and stopped by pytest-timeout after `seconds`, the cells' results in the JUnit file
+    `junit`, and the lesson with its outputs kept in the folder `keep` (for the site: make site FROM=<keep>)."""
+    return [
+        sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", str(notebook),
+        f"--nbval-cell-timeout={cell_seconds}", "-o", f"timeout={seconds}", "-q", "-p", "no:cacheprovider",
+        f"--junitxml={junit}", "-p", "gpukit.nbval_outputs", f"--nbval-keep-outputs={keep}",
+    ]  # fmt: skip
+
+
 def run_lessons(
     root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, only=None, report=print
 ) -> list[StepResult]:
@@ -353,25 +364,7 @@ def run_lessons(
             report(summary_row(results[-1]))
             continue
         junit = logs / f"{name}.xml"
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--nbval-lax",
-            "--nbval-current-env",
-            str(notebook),
-            f"--nbval-cell-timeout={min(CELL_SECONDS, int(limit))}",
-            "-o",
-            f"timeout={int(limit)}",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={junit}",
-            # Each lesson with its outputs, kept for the site: make site FROM=<logs>/notebooks (gpukit/site.py).
-            "-p",
-            "gpukit.nbval_outputs",
-            f"--nbval-keep-outputs={logs / 'notebooks'}",
-        ]
+        command = lesson_command(notebook, junit, logs / "notebooks", min(CELL_SECONDS, int(limit)), int(limit))
         status, _, elapsed = run_command(
             command, cwd=root, environment=environment, seconds=limit, log=logs / f"{name}.log"
         )

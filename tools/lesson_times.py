@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gpukit.gpucheck import child_environment, chosen, first_failure, markdown_table, run_command
+from gpukit.gpucheck import child_environment, chosen, first_failure, lesson_command, markdown_table, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,11 +47,7 @@ def skipped_lines(executed: Path) -> list[str]:
 
 def time_lesson(notebook: Path, profile: str, logs: Path, cell_seconds: int, lesson_seconds: int) -> dict:
     junit = logs / f"{notebook.stem}.xml"
-    command = [
-        sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", str(notebook),
-        f"--nbval-cell-timeout={cell_seconds}", "-o", f"timeout={cell_seconds}", "-q", "-p", "no:cacheprovider",
-        f"--junitxml={junit}", "-p", "gpukit.nbval_outputs", f"--nbval-keep-outputs={logs / 'notebooks'}",
-    ]  # fmt: skip
+    command = lesson_command(notebook, junit, logs / "notebooks", cell_seconds, cell_seconds)
     load_before = os.getloadavg()[0]
     status, _, seconds = run_command(
         command, cwd=ROOT, environment=child_environment(ROOT, GPUKIT_PROFILE=profile), seconds=lesson_seconds,

@@ -83,30 +83,7 @@ def test_the_gpu_profiles_largest_runs_fit_a_t4(precision):
     assert T4.total_memory == 16 * GiB
 
 
-@pytest.fixture
-def fake_mps(monkeypatch, automatic_profile):
-    """torch says MPS is available; any CUDA call fails the test."""
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
-
-    def no_cuda(*args, **kwargs):
-        raise AssertionError("a CUDA call was reached on an MPS machine")
-
-    for name in (
-        "is_available",
-        "device_count",
-        "get_device_properties",
-        "synchronize",
-        "mem_get_info",
-        "max_memory_allocated",
-        "reset_peak_memory_stats",
-        "get_device_capability",
-    ):
-        monkeypatch.setattr(torch.cuda, name, no_cuda)
-    monkeypatch.setattr(gk.env, "_cuda_survey", lambda: gk.env._Survey([], ""))  # a child process would ask CUDA
-
-
-def test_apple_silicon_gets_mps_laptop_sizes_and_fp32(fake_mps):
+def test_apple_silicon_gets_mps_laptop_sizes_and_fp32(apple_silicon):
     env = gk.detect()
     assert env.device == "mps" and env.gpu_count == 0
     assert env.profile.name == ("tiny" if env.cpu_count <= 2 else "cpu")  # laptop sizes, never the gpu profile

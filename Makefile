@@ -1,7 +1,9 @@
 # Two commands on a fresh clone:
-#   make lab    set everything up, then open the notebooks in JupyterLab
+#   make lab    set everything up, then open the notebooks in JupyterLab (as root too)
 #   make test   set everything up, then run unit tests and every notebook (nbval)
 # Both create .venv with the Python found as $(PYTHON) (3.10 or newer).
+#   make lab LAB_ARGS="--ip=0.0.0.0 --port=8888 --no-browser"   your own JupyterLab options
+#   make lab CPU=1   on a machine without an NVIDIA GPU: torch's CPU-only build (see CPU below)
 #   make gpu-check   on a CUDA GPU: gpu tests, every lesson, every benchmark; results to benchmarks/RESULTS.md
 #   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: README)
 #   make site        run every lesson and write a static site of the results to _site/ (FROM=DIR: lessons executed before)
@@ -19,9 +21,14 @@ PYTEST_ARGS ?=
 # Two fill CI's two cores: the suite took 17 min instead of about 30 in one. With an NVIDIA GPU, one: lessons
 # that time the GPU or fill its memory must not run beside each other. make test TEST_WORKERS=1 runs it in one.
 TEST_WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),1,2)
-# JupyterLab also writes the kernel's language_info (with the Python version) into every notebook it opens;
-# this server hook keeps the one the file has (gpukit/jupyter.py), so `git status` stays clean.
-LAB_OPTIONS := --FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info
+# Your own JupyterLab options, after gpukit's: `gpukit lab` (gpukit/jupyter.py) adds the save hook that keeps each
+# lesson's language_info, so that opening a lesson leaves `git status` clean, and --allow-root as root.
+LAB_ARGS ?=
+# CPU=1 installs torch's CPU-only build from TORCH_INDEX first (about 0.2 GB, where the default build from PyPI brings
+# about 3 GB of CUDA libraries a machine without an NVIDIA GPU never uses). Set TORCH_INDEX to use another index
+# (https://download.pytorch.org/whl/cu126 for an older driver, say). To switch an existing .venv: make clean first.
+CPU ?=
+TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
 
 # The lessons' site (gpukit/site.py): _site/ is the folder actions/upload-pages-artifact publishes by default.
 SITE_DIR := _site
@@ -39,15 +46,22 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "gpukit needs Python 3.10 or newer; set PYTHON=python3.11 (or another) and run make again.")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet torch torchvision --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e ".[dev,gpu]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "$(KERNEL_DISPLAY_NAME)" >/dev/null
+	@# Outputs of lessons you run stay out of git: nbstripout as the clone's git filter. Its --install records no
+	@# options, and the committed cell ids must stay (nbstripout renumbers them): the filter is set with --keep-id.
+	if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbstripout --install && \
+		git config filter.nbstripout.clean "'$(abspath $(BIN))/python' -m nbstripout --keep-id"; fi
+	@$(if $(TORCH_INDEX),true,command -v nvidia-smi >/dev/null || echo "note: no NVIDIA GPU here, and torch came with \
+	its CUDA libraries (about 3 GB). For the CPU-only build: make clean && make lab CPU=1")
 	touch $(STAMP)
 
 lab: setup
-	$(BIN)/jupyter lab $(LAB_OPTIONS) notebooks/
+	$(BIN)/gpukit lab notebooks/ $(LAB_ARGS)
 
 test: setup
-	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-current-env notebooks/ -p no:cacheprovider \
+	$(BIN)/python -m pytest tests/ --nbval-lax --nbval-kernel-name gpukit-lessons notebooks/ -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit tests without the slow ones (a browser, strict nbval, the fake GPU's coverage): a few minutes.
@@ -55,7 +69,7 @@ unit: setup
 	$(BIN)/python -m pytest tests/ -m "not slow" $(PYTEST_ARGS)
 
 notebooks: setup
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks/
+	$(BIN)/python -m pytest --nbval-lax --nbval-kernel-name gpukit-lessons notebooks/
 
 # Exits 3 at once, running nothing, where there is no CUDA GPU (gpukit/gpucheck.py).
 gpu-check: $(if $(PY),,setup)
@@ -70,4 +84,5 @@ lint: setup
 	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks
 
 clean:
+	-test -x $(BIN)/nbstripout && $(BIN)/nbstripout --uninstall  # the git filter runs .venv's Python
 	rm -rf $(VENV) .pytest_cache $(SITE_DIR)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .deprecation import renamed
-from .env import ask_nvml, cuda_build_problem, detect, nvml_cuda_version
+from .env import ask_nvml, cpu_load, cpu_threads, cuda_build_problem, detect, nvml_cuda_version, usable_cpus
 from .hardware.clocks import BENIGN_CLOCK_REASONS, clock_reasons
 from .hardware.gpus import find_gpu
 from .report import Table, format_bytes
@@ -87,6 +87,7 @@ class Report:
     cpu_count: int = 1  # logical CPUs of the machine
     usable_cpus: int = 1  # CPUs this process may use (affinity and container CPU quota)
     torch_threads: int = 1  # torch intra-op threads
+    load: float | None = None  # the 1-minute load average; None where the OS has none
     device: str | None = None  # what gpukit.detect() chose: "cuda", "mps" or "cpu"
     profile: str | None = None
     profile_reason: str = ""
@@ -99,6 +100,11 @@ class Report:
     gpus: list[GPUStatus] = field(default_factory=list)
     nvidia_smi: bool = False  # nvidia-smi is on PATH: a hint of NVIDIA GPUs even without NVML
     pid: int = field(default_factory=os.getpid)  # the process that collected the report
+
+    @property
+    def safe_threads(self) -> tuple[int, str]:
+        """The threads CPU work should run and be timed with here, and why (gpukit.env.cpu_threads)."""
+        return cpu_threads(self.usable_cpus, self.load, self.torch_threads)
 
     def facts_table(self) -> Table:
         cpus = f"{self.usable_cpus} usable of {self.cpu_count}"
@@ -115,7 +121,9 @@ class Report:
             ("cuDNN", self.cudnn_version),
             ("NCCL", self.nccl_version),
             ("CPUs", cpus),
+            ("load average (1 min)", "unknown" if self.load is None else f"{self.load:.1f}"),
             ("torch intra-op threads", self.torch_threads),
+            ("threads to time CPU work with", "{} ({})".format(*self.safe_threads)),
             ("device (gpukit.detect)", self.device),
             (
                 "CUDA_VISIBLE_DEVICES",
@@ -316,12 +324,23 @@ def _visible_devices_warning(report: Report) -> str | None:
 
 
 def _threads_warning(report: Report) -> str | None:
-    if report.torch_threads <= report.usable_cpus:
+    threads, reason = report.safe_threads
+    if report.torch_threads <= threads:
         return None
     return (
-        f"torch uses {report.torch_threads} intra-op threads but this process can use only {report.usable_cpus} "
-        f"CPUs, so threads compete for cores and CPU work slows down. Call torch.set_num_threads({report.usable_cpus}) "
-        f"or set OMP_NUM_THREADS={report.usable_cpus} before starting Python."
+        f"torch uses {report.torch_threads} intra-op threads where {threads} is safe here ({reason}): CPU steps "
+        f"will take longer and swing from one run to the next. Call torch.set_num_threads({threads}) (the lessons "
+        f"do, from gk.detect().threads) or set OMP_NUM_THREADS={threads} before starting Python."
+    )
+
+
+def _load_warning(report: Report) -> str | None:
+    if report.load is None or report.load <= report.usable_cpus:
+        return None
+    return (
+        f"the CPU is oversubscribed: load {report.load:.1f} on {report.usable_cpus} usable CPUs, so other programs "
+        "share the cores and every CPU timing here varies with them. Compare ratios measured side by side in one "
+        "cell (as the lessons do), or stop the other jobs before timing."
     )
 
 
@@ -333,24 +352,12 @@ def warnings(report: Report) -> list[str]:
     found += [_process_warning(gpu, report.pid) for gpu in report.gpus]
     found += [_power_limit_warning(gpu) for gpu in report.gpus] + [_ecc_warning(gpu) for gpu in report.gpus]
     found += [_cpu_only_build_warning(report), _visible_devices_warning(report), _threads_warning(report)]
+    found += [_load_warning(report)]
     return [warning for warning in found if warning]
 
 
 # ---------------------------------------------------------------------------------------------
 # Collecting facts
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on: its CPU affinity, capped by a container's CPU quota (cgroup v2)."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as file:
-            quota, period = file.read().split()[:2]  # "max 100000" (no limit) or "200000 100000" (2 CPUs)
-        if quota != "max":
-            count = min(count, max(1, -(-int(quota) // int(period))))  # round up: 1.5 CPUs → 2 threads
-    except (OSError, ValueError):
-        pass  # not Linux, no cgroup v2, or no quota
-    return count
 
 
 def _cudnn_version() -> str | None:
@@ -473,8 +480,9 @@ def collect() -> Report:
         cudnn_version=_cudnn_version(),
         nccl_version=_nccl_version(),
         cpu_count=os.cpu_count() or 1,
-        usable_cpus=_usable_cpus(),
+        usable_cpus=usable_cpus(),
         torch_threads=torch.get_num_threads(),
+        load=cpu_load(),
         device=device,
         profile=profile,
         profile_reason=profile_reason,

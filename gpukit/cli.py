@@ -3,6 +3,7 @@
     gpukit doctor    print the environment report and its warnings
     gpukit train     train headless (a CNN on images, or a small GPT on text) and print the
                      held-out result and the throughput
+    gpukit lab DIR   open the lessons in DIR in JupyterLab (copied there first if DIR has none)
     gpukit gpu-check run the gpu tests, every lesson (gpu profile) and every benchmark on a CUDA GPU;
                      append the results to benchmarks/RESULTS.md and print a summary (gpukit/gpucheck.py)
     gpukit site DIR  run every lesson and write a static site of the results into DIR (make site;
@@ -17,12 +18,13 @@ one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import data, distributed, gpucheck, models, nbval, shipped
+from . import data, distributed, gpucheck, jupyter, models, nbval, shipped
 from .checkup import collect
 from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpukit", description="Learn and measure fast neural-network training with PyTorch."
     )
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="{doctor,train,lessons,gpu-check,site,nbval-sanitize-path}"
+        dest="command", required=True, metavar="{doctor,train,lessons,lab,gpu-check,site,nbval-sanitize-path}"
     )
 
     doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=train_main)
 
     _add_lessons(commands)
+    _add_lab(commands)
     _add_gpu_check(commands)
     _add_site(commands)
 
@@ -118,11 +121,25 @@ def _add_lessons(commands) -> None:
         "lessons",
         help="copy the lessons (notebooks) into a folder, to open and edit them after a pip install",
         description="Copy gpukit's lesson notebooks into DIR (made if missing). Lessons already there are kept "
-        "unless --force. Then: jupyter lab DIR.",
+        "unless --force. Then: gpukit lab DIR.",
     )
     lessons.add_argument("dir", metavar="DIR", help="the folder to copy them into, e.g. gpukit-lessons")
     lessons.add_argument("--force", action="store_true", help="replace lessons already in DIR")
     lessons.set_defaults(handler=lessons_main)
+
+
+def _add_lab(commands) -> None:
+    """The `lab` command: JupyterLab on a folder of lessons, as root too (gpukit/jupyter.py)."""
+    lab = commands.add_parser(
+        "lab",
+        help="open the lessons in JupyterLab (copying them into DIR first if it has none)",
+        description="Open DIR in JupyterLab with gpukit's save hook (a lesson opened and closed stays unchanged). "
+        "A DIR without lessons gets a copy of them first. As root, --allow-root is added. Options after DIR go to "
+        "JupyterLab, e.g. gpukit lab gpukit-lessons --ip=0.0.0.0 --port=8888 --no-browser.",
+    )
+    lab.add_argument("dir", metavar="DIR", help="the folder of lessons, e.g. gpukit-lessons")
+    lab.add_argument("options", nargs=argparse.REMAINDER, help="options for JupyterLab")
+    lab.set_defaults(handler=lab_main)
 
 
 def _add_gpu_check(commands) -> None:
@@ -316,7 +333,23 @@ def train_main(args: argparse.Namespace) -> History:
 
 def lessons_main(args: argparse.Namespace) -> None:
     copies = shipped.copy_lessons(args.dir, overwrite=args.force)
-    print(f"copied {len(copies)} lessons to {Path(args.dir).resolve()}; open them with: jupyter lab {args.dir}")
+    print(f"copied {len(copies)} lessons to {Path(args.dir).resolve()}; open them with: gpukit lab {args.dir}")
+
+
+def lab_main(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("jupyterlab") is None:
+        raise FileNotFoundError(
+            "JupyterLab is not installed in this Python: pip install 'gpukit[lab]' (or jupyterlab), then run this again"
+        )
+    folder = Path(args.dir)
+    if not list(folder.glob("[0-9][0-9]_*.ipynb")):
+        copies = shipped.copy_lessons(folder)
+        print(f"copied {len(copies)} lessons to {folder.resolve()}")
+    if jupyter.running_as_root():
+        print("running as root: JupyterLab starts with --allow-root")
+    command = jupyter.lab_command(folder, args.options)
+    sys.stdout.flush()
+    os.execv(command[0], command)  # JupyterLab takes this process over: Ctrl-C reaches it, not us
 
 
 def _number(value: float | None, spec: str) -> str:

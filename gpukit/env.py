@@ -12,6 +12,7 @@ process asks CUDA, which initialises CUDA there and not here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -91,6 +92,10 @@ class Env:
     profile: Profile = PROFILES["tiny"]
     profile_reason: str = ""
     cuda_unusable_reason: str = ""  # why torch cannot use `gpus` here and what to install; "" when it can
+    # The intra-op threads CPU work should run and be timed with here (cpu_threads), and why. detect() never applies
+    # it: a lesson's setup cell calls torch.set_num_threads(env.threads) and prints it.
+    threads: int = 1
+    threads_reason: str = ""
 
     @property
     def has_gpu(self) -> bool:
@@ -111,7 +116,7 @@ class Env:
             gpus += f"; not usable: {self.cuda_unusable_reason}"
         return (
             f"device={self.device} gpus={self.gpu_count} ({gpus}) bf16={self.bf16} tf32={self.tf32} "
-            f"cpus={self.cpu_count} profile={self.profile.name} ({self.profile_reason})"
+            f"cpus={self.cpu_count} threads={self.threads} profile={self.profile.name} ({self.profile_reason})"
         )
 
 
@@ -338,6 +343,58 @@ def _explain_once(gpus: list[GPUInfo], problem: str) -> None:
         print(f"gpukit.detect(): using the CPU, not the GPU(s) here ({names}), because {problem}.", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------------------------
+# How many CPU threads to compute and time with
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its CPU affinity, capped by a container's CPU quota (cgroup v2)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as file:
+            quota, period = file.read().split()[:2]  # "max 100000" (no limit) or "200000 100000" (2 CPUs)
+        if quota != "max":
+            count = min(count, max(1, -(-int(quota) // int(period))))  # round up: 1.5 CPUs → 2 threads
+    except (OSError, ValueError):
+        pass  # not Linux, no cgroup v2, or no quota
+    return count
+
+
+def cpu_load() -> float | None:
+    """The 1-minute load average (runnable processes, ours included), or None where the OS has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def cpu_threads(usable: int, load: float | None, default: int) -> tuple[int, str]:
+    """The intra-op threads to run and time CPU work with, from `usable` CPUs, the `load` average and torch's
+    `default` thread count; with the reason, in words a learner can act on.
+
+    torch's CPU kernels run on OpenMP threads that spin while they wait for each other. When any one of them loses
+    its core to another program, the others spin until it comes back, so a step can take many times longer: a small
+    GPT's training step took 63 ms on 1 thread and 1,204 ms on 2 (medians of 8, interleaved) on a 2-core machine at
+    load 3. One thread per core that nobody else uses is the safe choice: on at most 2 CPUs that is 1 (a notebook's
+    own server, a browser or a shared job takes the other), and on a loaded machine every core the load occupies is
+    left free. An idle machine with more cores keeps torch's default.
+    """
+    if usable <= 2:
+        return 1, (
+            f"{usable} usable CPU(s): more than one thread spins whenever another program takes a core, and "
+            "steps swing 10-50x"
+        )
+    busy = 0 if load is None else math.ceil(load - 0.5)  # cores other programs keep busy (the load rounded)
+    if busy >= 1:
+        threads = max(1, min(default, usable - busy))
+        if threads < default:
+            return threads, (
+                f"load {load:.1f} on {usable} usable CPUs: other programs keep about {busy} core(s) busy, and "
+                "threads that lose their core make the others spin"
+            )
+    return min(default, usable), f"{usable} usable CPUs, load {'unknown' if load is None else f'{load:.1f}'}"
+
+
 def _mps_available() -> bool:
     return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
 
@@ -386,7 +443,11 @@ def detect() -> Env:
     _explain_once(gpus, problem)
     profile, reason = _choose_profile(device, cpu_count)
     gpu_count = len(gpus) if device == "cuda" else 0
-    return Env(device, gpu_count, gpus, bf16, tf32, cpu_count, profile, reason, cuda_unusable_reason=problem)
+    threads, threads_reason = cpu_threads(usable_cpus(), cpu_load(), torch.get_num_threads())
+    return Env(
+        device, gpu_count, gpus, bf16, tf32, cpu_count, profile, reason, cuda_unusable_reason=problem,
+        threads=threads, threads_reason=threads_reason,
+    )  # fmt: skip
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

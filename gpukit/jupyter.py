@@ -1,4 +1,5 @@
-"""JupyterLab settings for the lessons: opening and closing a lesson leaves its file unchanged.
+"""JupyterLab for the lessons: `gpukit lab DIR` (and `make lab`) start it, and opening and closing a lesson leaves
+its file unchanged.
 
 JupyterLab writes the running kernel's `language_info` (with the exact Python version) into a notebook's
 metadata as soon as the kernel starts, marks the notebook modified, and autosaves it: every learner's
@@ -9,7 +10,28 @@ metadata as soon as the kernel starts, marks the notebook modified, and autosave
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
+
+# The server option that makes JupyterLab save lessons with the language_info they have (keep_language_info, below).
+KEEP_LANGUAGE_INFO = "--FileContentsManager.pre_save_hook=gpukit.jupyter.keep_language_info"
+
+
+def running_as_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def lab_command(folder: str | Path, options: list[str] = (), as_root: bool | None = None) -> list[str]:
+    """The command that opens `folder` in JupyterLab with this Python: gpukit's save hook, then `options` (yours:
+    --port, --ip, --no-browser, …, which come last and so win).
+
+    JupyterLab refuses to start as root (a container, a cloud machine's default user) unless told `--allow-root`;
+    as root it is added here, since the alternative is no JupyterLab at all.
+    """
+    as_root = running_as_root() if as_root is None else as_root
+    return [sys.executable, "-m", "jupyterlab", KEEP_LANGUAGE_INFO, *(["--allow-root"] if as_root else []),
+            *options, str(folder)]  # fmt: skip
 
 
 def keep_language_info(model: dict, path: str, contents_manager, **_) -> None:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from gpukit.jupyter import lab_command
+
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ["00_environment_and_cpu_vs_gpu.ipynb", "01_train_a_cnn.ipynb"]
 ARTIFACTS = ROOT / "tests" / "artifacts"  # git-ignored
@@ -59,6 +61,31 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def quiet_settings(settings: Path) -> Path:
+    """JupyterLab user settings for a test: no news pop-up, every cell in the page, no autosave."""
+    for plugin, values in {
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},  # every cell in the page
+        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},  # the test saves when it means to
+    }.items():
+        path = settings / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    return settings
+
+
+def wait_for_server(url: str, token: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 180  # seconds; a loaded 2-core machine needs ~30-60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"JupyterLab did not start; see {log}:\n{log.read_text()[-3000:]}") from None
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on a free port with a token, serving a temporary copy of the lessons."""
@@ -87,15 +114,7 @@ def lab(tmp_path_factory):
         check=True,
         capture_output=True,
     )
-    settings = base / "settings"
-    for plugin, values in {
-        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
-        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},  # every cell in the page
-        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},  # the test saves when it means to
-    }.items():
-        path = settings / f"{plugin}.jupyterlab-settings"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(values))
+    settings = quiet_settings(base / "settings")
     port, token = free_port(), os.urandom(16).hex()
     env = dict(
         os.environ,
@@ -109,35 +128,24 @@ def lab(tmp_path_factory):
     env.pop("MPLBACKEND")
     log = (base / "jupyter.log").open("w")
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            *makefile_variable("LAB_OPTIONS").split(),
-            "--no-browser",
-            f"--port={port}",
-            "--ip=127.0.0.1",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={notebooks}",
-            f"--LabApp.user_settings_dir={settings}",
-            f"--LabApp.workspaces_dir={base / 'workspaces'}",
-        ]
-        + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),  # CI containers run as root
+        lab_command(  # what `gpukit lab` (and so `make lab`) runs, with the test's own options after it
+            notebooks,
+            [
+                "--no-browser",
+                f"--port={port}",
+                "--ip=127.0.0.1",
+                f"--IdentityProvider.token={token}",
+                f"--LabApp.user_settings_dir={settings}",
+                f"--LabApp.workspaces_dir={base / 'workspaces'}",
+            ],
+        ),
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180  # seconds; a loaded 2-core machine needs ~30-60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start; see {base / 'jupyter.log'}") from None
-                time.sleep(0.5)
+        wait_for_server(url, token, server, base / "jupyter.log")
         yield {"url": url, "token": token, "notebooks": notebooks}
     finally:
         server.terminate()
@@ -234,3 +242,42 @@ def test_run_all_cells(page, lab, name):
         assert "100%" in page.locator(".jp-OutputArea-output .widget-hbox").first.inner_text()  # it updated
         streams = ["".join(out["text"]) for cell in code for out in cell["outputs"] if out["output_type"] == "stream"]
         assert any("100%|" in text for text in streams), "the saved notebook holds no final text line of the bar"
+
+
+def test_make_lab_opens_jupyterlab_as_root_too(page, tmp_path):
+    """The README's first command as written, `make lab` (in this clone, whose .venv `make test` set up), with a
+    user's own JupyterLab options in LAB_ARGS. CI runs as root, where JupyterLab refuses to start unless told
+    --allow-root: `gpukit lab` adds it and says so. A screenshot of the page it serves goes to the artifacts."""
+    port, token = free_port(), os.urandom(16).hex()
+    options = [
+        "--no-browser",
+        f"--port={port}",
+        "--ip=127.0.0.1",
+        f"--IdentityProvider.token={token}",
+        f"--LabApp.user_settings_dir={quiet_settings(tmp_path / 'settings')}",
+        f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+    ]
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    log_path = tmp_path / "make-lab.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            ["make", "-C", str(ROOT), "lab", f"LAB_ARGS={' '.join(options)}"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # make, gpukit lab and JupyterLab: one process group to stop
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_server(url, token, server, log_path)
+            page.goto(f"{url}/lab?token={token}")
+            lesson = page.locator(".jp-DirListing-itemText", has_text="00_environment_and_cpu_vs_gpu.ipynb")
+            lesson.first.wait_for(timeout=120_000)  # the file browser lists the clone's lessons
+            page.screenshot(
+                path=ARTIFACTS / "make-lab-as-root.png" if os.geteuid() == 0 else ARTIFACTS / "make-lab.png"
+            )
+        finally:
+            os.killpg(server.pid, 15)
+            server.wait(timeout=30)
+    text = log_path.read_text()
+    assert ("running as root: JupyterLab starts with --allow-root" in text) == (os.geteuid() == 0), text[-3000:]

@@ -240,3 +240,30 @@ def test_train_on_your_image_folder(monkeypatch, capsys, tmp_path):
     output = capsys.readouterr().out
     assert "16 train / 4 held-out images of 2 classes" in output
     assert set(_last_line_fields(output)) == {"eval_accuracy", "images_per_second"}
+
+
+def test_lab_copies_the_lessons_into_an_empty_folder_and_hands_over_to_jupyterlab(tmp_path, monkeypatch, capsys):
+    from gpukit import jupyter
+
+    started = []
+    monkeypatch.setattr("os.execv", lambda path, argv: started.append(argv))
+    for as_root in (True, False):
+        monkeypatch.setattr(jupyter, "running_as_root", lambda as_root=as_root: as_root)
+        assert main(["lab", str(tmp_path / "mine"), "--port=9999", "--no-browser"]) == 0
+    root, user = started
+    assert root[1:4] == ["-m", "jupyterlab", jupyter.KEEP_LANGUAGE_INFO] and "--allow-root" in root
+    assert "--allow-root" not in user
+    assert root[-3:] == ["--port=9999", "--no-browser", str(tmp_path / "mine")]  # the user's options, then the folder
+    out = capsys.readouterr().out
+    assert out.count("copied") == 1 and "running as root: JupyterLab starts with --allow-root" in out
+    assert len(list((tmp_path / "mine").glob("[0-9][0-9]_*.ipynb"))) >= 10
+
+
+def test_lab_without_jupyterlab_says_which_extra_to_install(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "jupyterlab" else real(name))
+    assert main(["lab", str(tmp_path)]) == 2
+    assert "pip install 'gpukit[lab]'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before copying anything

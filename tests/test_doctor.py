@@ -118,7 +118,8 @@ def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     assert gpu.clock_reasons == ["software power cap", "software thermal slowdown"]
     assert gpu.processes == [GPUProcess(4242, 8 * GiB, "python")]
 
-    found = warnings(report)
+    # The GPU's and the driver's; this machine's own CPU threads and load may add theirs.
+    found = [warning for warning in warnings(report) if "CPU" not in warning]
     assert len(found) == 3, found
     assert any("12.2" in warning and "12.8" in warning for warning in found)
     assert any("software thermal slowdown" in warning for warning in found)
@@ -314,3 +315,21 @@ def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypat
     assert row["datasheet"].startswith("A100 80GB: cc 8.0, 312 bf16 TFLOP/s")
     healthy = GPUStatus(0, "NVIDIA L4", power_limit=72.0, power_limit_default=72.0, ecc_errors=0)
     assert not warnings(clean_report(gpus=[healthy]))
+
+
+def test_threads_beyond_what_the_load_leaves_are_reported_with_the_fix():
+    (warning,) = warnings(clean_report(torch_threads=16, usable_cpus=16, load=6.0))
+    assert "torch uses 16 intra-op threads where 10 is safe" in warning and "torch.set_num_threads(10)" in warning
+
+
+def test_an_oversubscribed_two_core_machine_is_reported():
+    report = clean_report(torch_threads=2, usable_cpus=2, cpu_count=2, load=5.3)
+    threads, load = warnings(report)
+    assert "torch.set_num_threads(1)" in threads and "2 usable CPU(s)" in threads
+    assert "oversubscribed: load 5.3 on 2 usable CPUs" in load
+    (row,) = [row for row in report.facts_table().rows if row["item"] == "threads to time CPU work with"]
+    assert row["value"].startswith("1 (")
+
+
+def test_a_report_without_a_load_average_warns_of_no_load():
+    assert warnings(clean_report(load=None)) == []

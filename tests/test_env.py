@@ -309,3 +309,76 @@ def test_sizes_follow_the_device_that_does_the_work(monkeypatch):
     assert gpukit.env.profile_for("cuda").name == "tiny" and gpukit.env.profile_for("cpu").name == "tiny"
     monkeypatch.setenv("GPUKIT_PROFILE", "gpu")
     assert gpukit.detect().profile.name == "gpu"  # the lesson's own profile is still the one set by hand
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU threads lessons compute and time with (env.cpu_threads): one rule, applied by every lesson
+
+
+@pytest.mark.parametrize(
+    "usable, load, default, threads",
+    [
+        (1, None, 1, 1),
+        (2, 0.0, 2, 1),  # a notebook's own server or browser takes the other core of two
+        (2, 5.0, 2, 1),
+        (8, 0.2, 8, 8),  # an idle machine keeps torch's default
+        (8, None, 8, 8),  # no load average (Windows): the default
+        (8, 3.2, 8, 5),  # three cores busy elsewhere: one thread per free core
+        (8, 20.0, 8, 1),
+        (16, 0.0, 32, 16),  # never more threads than usable CPUs
+        (16, 2.0, 4, 4),  # never more than the user's own setting
+    ],
+)
+def test_cpu_threads_leave_busy_cores_alone(usable, load, default, threads):
+    chosen, reason = env.cpu_threads(usable, load, default)
+    assert chosen == threads, (chosen, reason)
+    assert reason and str(usable) in reason
+
+
+def test_detect_chooses_threads_for_this_machine():
+    found = gpukit.detect()
+    assert found.threads == env.cpu_threads(env.usable_cpus(), env.cpu_load(), torch.get_num_threads())[0]
+    assert 1 <= found.threads <= env.usable_cpus() and f"threads={found.threads}" in str(found)
+
+
+def test_detect_leaves_torch_threads_alone():
+    before = torch.get_num_threads()
+    gpukit.detect()
+    assert torch.get_num_threads() == before
+
+
+def _busy_loop(seconds: float) -> None:  # a program that keeps one core busy, as another job on a shared machine
+    import time as clock
+
+    end = clock.monotonic() + seconds
+    while clock.monotonic() < end:
+        pass
+
+
+@pytest.mark.slow
+def test_the_chosen_threads_are_not_slower_than_torchs_default_beside_a_busy_program():
+    """The measured reason for the rule: beside a program that keeps a core busy, a small GPT's training step on
+    env.threads threads is no slower than on torch's default (on 2 cores, 2 threads took 10-20x as long)."""
+    import statistics
+    import time
+
+    from gpukit.models import gpt
+
+    torch.manual_seed(0)
+    model, tokens = gpt(max_seq_len=64, width=64, depth=2, heads=4), torch.randint(0, 256, (16, 64))
+    default, chosen = torch.get_num_threads(), gpukit.detect().threads
+    busy = multiprocessing.get_context("spawn").Process(target=_busy_loop, args=(60.0,), daemon=True)
+    busy.start()
+    times = {default: [], chosen: []}
+    try:
+        for _ in range(5):
+            for threads in times:
+                torch.set_num_threads(threads)
+                model(tokens).float().mean().backward()  # the first step at this count warms it up
+                started = time.perf_counter()
+                model(tokens).float().mean().backward()
+                times[threads].append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(default)
+        busy.kill()
+    assert statistics.median(times[chosen]) <= 1.3 * statistics.median(times[default]), times

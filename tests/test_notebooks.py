@@ -45,6 +45,14 @@ def test_committed_clean_and_runnable_everywhere(path):
     assert code_cells[0].get("id") == "install-gpukit", f"{path.name}: run python tools/open_in.py"
     setup = "".join(code_cells[1]["source"])
     assert "gk.detect()" in setup and "seed_everything" in setup, f"{path.name}: the setup cell sets env and seed"
+    # One thread policy for every lesson (gpukit.env.cpu_threads), applied where the reader sees it, said with its reason.
+    assert "torch.set_num_threads(env.threads)" in setup and "env.threads_reason" in setup, (
+        f"{path.name}: the setup cell applies and prints gk.detect()'s threads"
+    )
+    rest = "".join("".join(cell["source"]) for cell in code_cells[2:])
+    assert not re.search(r"cpu_count <= 2:\s*\n\s*torch\.set_num_threads", rest), (
+        f"{path.name}: a thread count chosen outside gpukit.env.cpu_threads"
+    )
 
 
 def sections(notebook: dict) -> list[tuple[str, list[dict]]]:

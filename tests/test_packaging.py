@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
-import sysconfig
+import time
+import urllib.request
 from pathlib import Path
 from unittest import mock
 
@@ -23,6 +26,7 @@ except ImportError:  # Python 3.10
 
 from gpukit import shipped
 from gpukit.cli import main
+from tests import lessons_env
 
 markdown2html_mistune = pytest.importorskip("nbconvert.filters.markdown_mistune").markdown2html_mistune
 
@@ -96,26 +100,26 @@ def _venv(folder: Path) -> tuple[Path, Path]:
     )
 
 
-@pytest.mark.slow
-def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path, wheel):
-    # gpukit only from its wheel; the dependencies from this interpreter's site-packages, added by a .pth line
-    # (which, unlike a site folder, runs none of that folder's own .pth files: the clone's editable install stays out).
-    python, site = _venv(tmp_path / "venv")
-    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    install = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--no-deps",
-        "--no-index",
-        "-q",
-        "--target",
-        str(site),
-        str(wheel),
-    ]
+def _lessons_kernel(folder: Path, wheel: Path) -> tuple[Path, dict[str, str]]:
+    """A Python with the wheel's gpukit and exactly what gpukit[lessons] brings (tests/lessons_env.py), and the
+    environment variables under which nbval's `--nbval-kernel-name gpukit-lessons` runs lessons in it."""
+    python = lessons_env.build(folder, gpukit_from=None)
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    ).stdout.strip()
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", site, str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    environment["JUPYTER_PATH"] = str(lessons_env.kernel(folder, python))
+    return python, environment
+
+
+@pytest.mark.slow
+def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path, wheel):
+    """The README's pip route: gpukit from its wheel with its lessons extra and nothing of the suite's dev packages;
+    `gpukit lessons DIR`, then the lessons that read shipped files (05) or YAML (05) and the doctor (00) in a kernel
+    of that environment."""
+    python, environment = _lessons_kernel(tmp_path, wheel)
     found = subprocess.run(
         [python, "-c", "import gpukit; print(gpukit.__file__)"],
         capture_output=True,
@@ -125,15 +129,18 @@ def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path, wheel):
         check=True,
     ).stdout
     assert Path(found).is_relative_to(tmp_path / "venv"), found  # the wheel's gpukit, not the clone's
+    for missing in ("pytest", "transformers", "playwright", "jupyterlab"):  # dev's (or lab's), not the lessons'
+        assert subprocess.run([python, "-c", f"import {missing}"], capture_output=True, env=environment).returncode
     lessons = tmp_path / "my lessons"
     subprocess.run([python, "-m", "gpukit", "lessons", str(lessons)], env=environment, check=True, timeout=60)
     run = subprocess.run(
         [
-            python,
+            sys.executable,
             "-m",
             "pytest",
             "--nbval-lax",
-            "--nbval-current-env",
+            "--nbval-kernel-name",
+            lessons_env.KERNEL_NAME,
             "-p",
             "no:cacheprovider",
             "-q",
@@ -151,21 +158,62 @@ def test_lessons_run_from_a_wheel_in_a_folder_of_their_own(tmp_path, wheel):
     assert [path.name for path in lessons.iterdir() if path.suffix != ".ipynb"] == []  # wrote nothing beside them
 
 
-def _install_command_of_the_first_cell(lesson: Path) -> list[str]:
-    """What the lesson's install cell runs where gpukit is missing (Colab, Kaggle): its pip arguments."""
+def test_every_lesson_import_is_in_the_lessons_extra():
+    """What each lesson imports at its top (its setup cell) comes with gpukit[lessons]: the suite runs every lesson
+    in a kernel of that environment (make test's --nbval-kernel-name), this names a missing one at once."""
+    provided = {name for name in lessons_env.closure() if name != "gpukit"}
+    top_level = {
+        name
+        for distribution in map(importlib.metadata.distribution, provided)
+        for name in (distribution.read_text("top_level.txt") or "").split()
+    } | {path.parts[0].removesuffix(".py") for name in provided for path in _files(name)}
+    for lesson in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        code = "\n".join(
+            "".join(cell["source"]) for cell in json.loads(lesson.read_text())["cells"] if cell["cell_type"] == "code"
+        )
+        imported = set(re.findall(r"^(?:import|from) (\w+)", code, re.MULTILINE)) - set(sys.stdlib_module_names)
+        assert imported - {"gpukit"} <= top_level, (lesson.name, imported - top_level)
+
+
+def _files(name: str) -> list:
+    return [path for path in importlib.metadata.distribution(name).files or [] if path.parts and path.parts[0] != ".."]
+
+
+def _run_the_install_cell(lesson: Path, versions: dict[str, str] | None = None) -> list[list[str]]:
+    """Run the lesson's install cell as where gpukit is missing (Colab, Kaggle), with the installed `versions` of
+    torch and torchvision (default: this interpreter's); the commands it would run."""
     import importlib.util
 
     cell = next(cell for cell in json.loads(lesson.read_text())["cells"] if cell["cell_type"] == "code")
     commands = []
-    real_find_spec = importlib.util.find_spec
+    real_find_spec, real_version = importlib.util.find_spec, importlib.metadata.version
     with (
         mock.patch("importlib.util.find_spec", lambda name: None if name == "gpukit" else real_find_spec(name)),
+        mock.patch("importlib.metadata.version", lambda name: (versions or {}).get(name) or real_version(name)),
         mock.patch("subprocess.run", lambda command, **_: commands.append(command)),
         contextlib.redirect_stdout(io.StringIO()),
     ):
         exec("".join(cell["source"]), {})
-    [command] = commands
+    return commands
+
+
+def _install_command_of_the_first_cell(lesson: Path) -> list[str]:
+    """What the lesson's install cell runs where gpukit is missing: its pip arguments."""
+    [command] = _run_the_install_cell(lesson)
     return command[command.index("install") + 1 :]
+
+
+@pytest.mark.parametrize("lesson", sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem[:2])
+def test_the_install_cell_names_a_too_old_torch_and_the_command_before_pip_runs(lesson):
+    with pytest.raises(SystemExit) as stopped:
+        _run_the_install_cell(lesson, {"torch": "2.10.0+cu126", "torchvision": "0.25.0+cu126"})
+    message = str(stopped.value)
+    assert "gpukit needs torch >= 2.11; this runtime has torch 2.10.0+cu126" in message, message
+    assert '!pip install -q "torch>=2.11" "torchvision>=0.26"' in message and "restart the runtime" in message
+    # A supported torch (a Colab build's local version, a nightly) goes on to pip with the lessons extra.
+    for torch_version in ("2.11.0+cu126", "2.12.0.dev20260101+cpu"):
+        [command] = _run_the_install_cell(lesson, {"torch": torch_version, "torchvision": "0.26.0"})
+        assert f"torch=={torch_version}" in command and any(a.startswith("gpukit[lessons] @ git+") for a in command)
 
 
 def _runtime_with(site: Path, torch_version: str) -> None:
@@ -178,9 +226,11 @@ def _runtime_with(site: Path, torch_version: str) -> None:
         "ipywidgets": "8.1.0",
         "tqdm": "4.66.0",
         "cloudpickle": "3.0.0",
+        # gpukit[lessons]: what the install cell asks for beyond the core (Colab has most of it)
+        **{name: "99.0" for name in ("pyyaml", "webdataset", "tensorboard", "timm", "torchao", "nvidia-ml-py")},
     }
     for name, version in installed.items():
-        info = site / f"{name}-{version}.dist-info"
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "RECORD").write_text("")
@@ -189,10 +239,10 @@ def _runtime_with(site: Path, torch_version: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("torch_version", ["2.11.0", "2.10.0"])
 def test_the_install_cell_keeps_the_runtimes_torch(tmp_path, wheel, torch_version):
-    """Colab's torch stays: 2.11 (supported) is kept and only gpukit is installed; 2.10 (too old) stops pip with a
-    conflict rather than pulling a new torch."""
+    """Colab's torch stays: 2.11 (supported) is kept and only gpukit is installed; 2.10 (too old, which the cell names
+    before pip runs) would stop pip with a conflict rather than pull a new torch."""
     arguments = _install_command_of_the_first_cell(ROOT / "notebooks" / "01_train_a_cnn.ipynb")
-    spec = next(argument for argument in arguments if argument.startswith("gpukit @ git+"))
+    spec = next(argument for argument in arguments if argument.startswith("gpukit[lessons] @ git+"))
     python, site = _venv(tmp_path / "runtime")
     _runtime_with(site, torch_version)
     # The cell pins what is installed here (this interpreter's torch); the runtime's versions replace them.
@@ -212,7 +262,7 @@ def test_the_install_cell_keeps_the_runtimes_torch(tmp_path, wheel, torch_versio
         "--no-index",
         "--find-links",
         str(wheel.parent),
-        "gpukit",
+        "gpukit[lessons]",
         *pins,
     ]
     assert spec.endswith(_repository()) and "-q" in arguments
@@ -250,3 +300,109 @@ def test_badges_and_install_cells_are_built_from_the_one_repository_url():
         html = markdown2html_mistune(title)
         assert f'<a href="https://colab.research.google.com/github/{target}"><img' in html, lesson.name
         assert cells[1]["id"] == "install-gpukit" and f"git+https://github.com/{repo}" in "".join(cells[1]["source"])
+
+
+def _readme_pip_route() -> list[str]:
+    """The README's commands for a pip install, in order."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"Without a clone:\s*```bash\n(.*?)```", readme, re.DOTALL)[1]
+    return [line.split("#")[0].strip() for line in block.strip().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_readmes_pip_route_opens_jupyterlab(tmp_path, wheel):
+    """`pip install "gpukit[lab] @ …"` then `gpukit lab gpukit-lessons`, literally: in a Python with the wheel and
+    exactly what that extra brings, JupyterLab starts (as root too: CI runs as root) on a copy of the lessons."""
+    install, open_lab = _readme_pip_route()
+    requirement = re.fullmatch(r'pip install "(gpukit\[\w+\]) @ git\+\S+"', install)[1]
+    assert open_lab == "gpukit lab gpukit-lessons"
+    python = lessons_env.build(tmp_path, gpukit_from=None, roots=[requirement])
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    ).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", site, str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    environment.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = ["--no-browser", f"--port={port}", "--ip=127.0.0.1", "--IdentityProvider.token=t0ken"]
+    log = tmp_path / "lab.log"
+    with log.open("w") as output:
+        server = subprocess.Popen(
+            [python, "-m", "gpukit", *open_lab.split()[1:], *options],  # `gpukit` is `python -m gpukit`
+            cwd=tmp_path,
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    status = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=t0ken", timeout=2)
+                    break
+                except OSError:
+                    assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                    time.sleep(0.5)
+            assert status.status == 200
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    copied = sorted(path.name for path in (tmp_path / "gpukit-lessons").glob("*.ipynb"))
+    assert copied == sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    if os.geteuid() == 0:
+        assert "running as root: JupyterLab starts with --allow-root" in log.read_text()
+
+
+def _make_dry_run(*arguments: str) -> str:
+    """What `make` would run here (-n: nothing runs; -B: as on a fresh clone, whatever .venv holds)."""
+    run = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on the PATH")
+def test_make_lab_cpu_installs_torchs_cpu_build_first_and_says_so_without_a_gpu():
+    cpu = _make_dry_run("setup", "CPU=1").splitlines()
+    torch_line = next(index for index, line in enumerate(cpu) if "--index-url" in line)
+    assert "pip install --quiet torch torchvision --index-url https://download.pytorch.org/whl/cpu" in cpu[torch_line]
+    assert torch_line < next(index for index, line in enumerate(cpu) if '-e ".[dev,gpu]"' in line)  # torch first
+    default = _make_dry_run("setup")
+    assert "--index-url" not in default and "make clean && make lab CPU=1" in default  # the hint, where no nvidia-smi
+    assert "--index-url https://download.pytorch.org/whl/cu126" in _make_dry_run(
+        "setup", "TORCH_INDEX=https://download.pytorch.org/whl/cu126"
+    )
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on the PATH")
+def test_make_lab_passes_the_users_jupyterlab_options_through_gpukit_lab():
+    assert (
+        _make_dry_run("lab", "LAB_ARGS=--ip=0.0.0.0 --port=8888")
+        .splitlines()[-1]
+        .endswith("/gpukit lab notebooks/ --ip=0.0.0.0 --port=8888")
+    )
+
+
+def test_the_git_filter_make_setup_installs_leaves_every_committed_lesson_as_it_is():
+    """make setup installs nbstripout as the clone's git filter (lessons run in JupyterLab leave no outputs in git).
+    It must not change a committed lesson: nbstripout renumbers cell ids unless told --keep-id."""
+    clean = subprocess.run(
+        ["git", "config", "--get", "filter.nbstripout.clean"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    if not clean:
+        pytest.skip("make setup has not installed the nbstripout git filter in this clone")
+    assert "--keep-id" in clean
+    for lesson in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        filtered = subprocess.run(clean, shell=True, input=lesson.read_bytes(), capture_output=True, check=True)
+        assert filtered.stdout == lesson.read_bytes(), lesson.name
+    executed = json.loads(lesson.read_text())
+    executed["cells"][1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["ran\n"]}]
+    executed["cells"][1]["execution_count"] = 1
+    stripped = subprocess.run(clean, shell=True, input=json.dumps(executed).encode(), capture_output=True)
+    assert json.loads(stripped.stdout) == json.loads(lesson.read_text()), lesson.name  # outputs gone, ids kept

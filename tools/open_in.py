@@ -26,7 +26,9 @@ INSTALL_CELL_ID = "install-gpukit"
 BADGES = "<!-- open-in -->"  # marks the badge line, so that it can be rewritten
 
 # The cell is plain Python: it runs before gpukit exists. Pinning the installed torch and torchvision makes pip
-# keep the runtime's own (a 2 GB wheel otherwise) or stop with a conflict where they are older than gpukit needs.
+# keep the runtime's own (a 2 GB wheel otherwise); a torch older than gpukit needs is named, with the command that
+# updates it, before pip runs. The lessons extra brings what lessons import beyond the core (not JupyterLab: the
+# runtime has its own Jupyter).
 INSTALL_CELL = """\
 # Colab, Kaggle: install gpukit, keeping the runtime's torch. In a clone or after `pip install`: nothing to do.
 import importlib.metadata
@@ -35,12 +37,35 @@ import subprocess
 import sys
 
 if importlib.util.find_spec("gpukit") is None:
-    keep = [f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "torchvision")
-            if importlib.util.find_spec(name) is not None]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "gpukit @ git+{repository}", *keep], check=True)
+    have = {name: importlib.metadata.version(name) for name in ("torch", "torchvision") if importlib.util.find_spec(name)}
+    if "torch" in have and tuple(int(part) for part in have["torch"].split(".")[:2]) < {torch_minimum}:
+        raise SystemExit(f"gpukit needs torch >= {torch_text}; this runtime has torch {have['torch']}. Run "
+                         '!pip install -q "torch>={torch_text}" "torchvision>={torchvision_text}" in a cell, '
+                         "restart the runtime (Runtime > Restart session), then run this cell again.")
+    keep = [f"{name}=={version}" for name, version in have.items()]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "gpukit[lessons] @ git+{repository}", *keep], check=True)
     print("installed gpukit from {repository}, keeping", ", ".join(keep) or "no torch: pip chose one")
 else:
     print("gpukit is installed: nothing to do")"""
+
+
+def minimum(name: str) -> str:
+    """The oldest version of `name` gpukit accepts, from pyproject.toml's dependencies ("torch>=2.11" → "2.11")."""
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        match = re.fullmatch(rf"{name}>=([\d.]+)", requirement.replace(" ", ""))
+        if match:
+            return match[1]
+    raise ValueError(f"pyproject.toml's dependencies name no {name}>=VERSION")
+
+
+def install_cell(repo: str) -> str:
+    torch_text = minimum("torch")
+    return (
+        INSTALL_CELL.replace("{repository}", repo)
+        .replace("{torch_minimum}", repr(tuple(int(part) for part in torch_text.split(".")[:2])))
+        .replace("{torch_text}", torch_text)
+        .replace("{torchvision_text}", minimum("torchvision"))
+    )
 
 
 def repository() -> str:
@@ -69,7 +94,7 @@ def updated_lesson(path: Path, repo: str) -> nbformat.NotebookNode:
         "\n\n\n", "\n\n"
     )
     cells = [cell for cell in notebook.cells if cell.get("id") != INSTALL_CELL_ID]
-    install = nbformat.v4.new_code_cell(INSTALL_CELL.replace("{repository}", repo))
+    install = nbformat.v4.new_code_cell(install_cell(repo))
     install.id = INSTALL_CELL_ID
     notebook.cells = [cells[0], install, *cells[1:]]
     return notebook

@@ -362,7 +362,8 @@ def test_the_readmes_pip_route_opens_jupyterlab(tmp_path, wheel):
 
 def _make_dry_run(*arguments: str) -> str:
     """What `make` would run here (-n: nothing runs; -B: as on a fresh clone, whatever .venv holds)."""
-    run = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=60)
+    command = ["make", "--no-print-directory", "-n", "-B", "-C", str(ROOT), *arguments]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     return run.stdout
 

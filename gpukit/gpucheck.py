@@ -521,9 +521,11 @@ def _benchmark_markdown(result: StepResult) -> list[str]:
     return lines
 
 
-def results_section(machine: Machine, results: list[StepResult], seconds: float) -> str:
+def results_section(
+    machine: Machine, results: list[StepResult], seconds: float, command: str = "make gpu-check"
+) -> str:
     """The Markdown section for benchmarks/RESULTS.md, headed with the GPU's name and the date."""
-    lines = [f"## GPU: {machine.gpu}, {machine.date} (`make gpu-check`)", ""]
+    lines = [f"## GPU: {machine.gpu}, {machine.date} (`{command}`)", ""]
     facts = {
         "GPU": machine.gpu,
         "driver": machine.driver,
@@ -632,12 +634,11 @@ def run_gpu_check(
         raise ValueError(f"unknown gpu-check step(s) {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}.")
     if only is not None:  # named wrong: said before anything runs, GPU or not
         root = repository_root()
-        names = [
-            p.name for p in [*(root / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(root / "benchmarks").glob("*.py")]
-        ]
+        names = [p.name for p in [*root.glob("notebooks/[0-9][0-9]_*.ipynb"), *root.glob("benchmarks/*.py")]]
+        names += [p.name for p in root.glob("tests/test_*.py")]
         unmatched = [prefix for prefix in only if not any(name.startswith(prefix) for name in names)]
         if unmatched:
-            raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no lesson or benchmark.")
+            raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no test file, lesson or benchmark.")
     message = no_gpu_message()
     if message:
         print(message, file=sys.stderr)
@@ -654,7 +655,10 @@ def run_gpu_check(
     for step in steps:
         limit = _time_left(deadline, STEP_SECONDS[step])
         if step == "tests":
-            results.append(run_tests(root, logs, limit))
+            test_files = [
+                path.relative_to(root).as_posix() for path in chosen(root.glob("tests/test_*.py"), only or [])
+            ]
+            results.append(run_tests(root, logs, limit, *([test_files] if test_files else [])))
             report(summary_row(results[-1]))
         elif step == "lessons":
             results += run_lessons(root, logs, limit, only=only, report=report)

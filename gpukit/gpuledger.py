@@ -25,13 +25,20 @@ from __future__ import annotations
 
 import ast
 import datetime
+import functools
 import json
 import math
 import re
 import subprocess
+import sys
+import tarfile
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import gpucheck
+from .runfile import git_commit
 
 LEDGER_PATH = "benchmarks/gpu-ledger.json"
 MARGIN = 1.25  # planned seconds = recorded seconds × this: an H200 or a busy host runs an item somewhat slower
@@ -45,6 +52,7 @@ PASSED = ("pass", "skipped")  # "skipped": a benchmark that needs two GPUs said 
 GPU_MARK = re.compile(r"^\s*(?:@pytest\.mark\.gpu\b|\w+\s*=\s*pytest\.mark\.gpu\b)", re.MULTILINE)
 NAMED_MODULE = re.compile(r"\b(?:gk|gpukit)\.([a-z_0-9]+)(?:\.([A-Za-z_0-9]+))?")
 TEST_HELPERS = ("tests/conftest.py", "tests/helpers.py")
+PLANNED = "(planned)"  # the commit of a pass plan_leases assumes: this working tree
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,21 +332,21 @@ def plan_leases(
     ledger: dict,
     deps: Mapping[str, list[str]],
     changes: Mapping[str, set[str] | None],
-    head: str,
     budget: float,
     leases: int,
     machine: Callable[[int], dict],
 ) -> list[Plan]:
     """The plans of `leases` successive leases, each assuming that what the one before chose passed in its
-    planned seconds (recorded at commit `head` on `machine(lease)`, so unchanged since). `ledger` is not changed."""
+    planned seconds on `machine(lease)`, on this working tree (so unchanged since). `ledger` is not changed."""
     ledger = json.loads(json.dumps(ledger))  # a copy the simulated passes go into
+    changes = {**changes, PLANNED: set()}  # a simulated pass ran this very working tree
     plans = []
     for lease in range(leases):
         plans.append(pack(candidates(ledger, deps, changes), budget))
         for candidate in plans[-1].chosen:
             entry = ledger["items"].setdefault(candidate.item, {})
             seconds, source = entry.get("seconds"), entry.get("seconds_from")
-            record(ledger, candidate.item, "pass", 0, "", {**machine(lease), "commit": head}, deps[candidate.item])
+            record(ledger, candidate.item, "pass", 0, "", {**machine(lease), "commit": PLANNED}, deps[candidate.item])
             if seconds is not None:  # a plan, not a measurement: the recorded figure stays
                 entry["seconds"], entry["seconds_from"] = seconds, source
     return plans
@@ -352,10 +360,10 @@ def _plan_row(candidate: Candidate) -> str:
 
 def format_plans(plans: list[Plan], gpu: str) -> str:
     """Each lease's items with planned seconds and why each is due; then what no lease of this budget fits."""
-    lines = [f"gpu-check --budget {plans[0].budget:.0f}: {len(plans)} leases on {gpu}, planned from {LEDGER_PATH}",
+    lines = [f"gpu-check --budget {plans[0].budget:.0f}: {len(plans)} lease(s) on {gpu}, planned from {LEDGER_PATH}",
              f"(planned seconds: the ledger's × {MARGIN}; each item's source is in the ledger's seconds_from)"]  # fmt: skip
     for number, plan in enumerate(plans, 1):
-        lines.append(f"lease {number}: {len(plan.chosen)} items, {plan.seconds} s of {plan.budget:.0f}")
+        lines.append(f"lease {number}: {len(plan.chosen)} item(s), {plan.seconds} s of {plan.budget:.0f}")
         lines += [_plan_row(candidate) for candidate in plan.chosen] or ["  nothing is due"]
         if plan.later:
             lines.append(f"  left for a later lease: {', '.join(item_name(c.item) for c in plan.later)}")
@@ -365,3 +373,128 @@ def format_plans(plans: list[Plan], gpu: str) -> str:
             f"run it alone with --budget {candidate.seconds} --only {item_name(candidate.item)}"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu-check --budget: plan, run, record
+
+
+ITEM_LIMITS = {
+    "tests": gpucheck.TESTS_SECONDS,
+    "lesson": gpucheck.LESSON_SECONDS,
+    "benchmark": gpucheck.BENCHMARK_SECONDS,
+}
+OUT_FILES = ("summary.txt", "results.md", "gpu-ledger.json", "logs.tar.gz")  # what --out DIR receives
+
+
+def run_item(root: Path, logs: Path, item: str, limit: float) -> gpucheck.StepResult:
+    kind = item_kind(item)
+    if kind == "tests":
+        return gpucheck.run_tests(root, logs, limit, files=[item])
+    if kind == "lesson":
+        return gpucheck.run_lesson(root, logs, root / item, limit)
+    return gpucheck.run_benchmark(root, logs, root / item, limit)
+
+
+def run_plan(root: Path, logs: Path, plan: Plan, ledger: dict, deps: Mapping, machine: dict, report=print) -> list:
+    """Run `plan.chosen` in order within `plan.budget` seconds, recording each in `ledger`. An item is started
+    only if its planned seconds fit in what is left (an earlier one may have run over its plan); each runs under
+    the smaller of what is left and its kind's own limit."""
+    deadline, results, lessons_problem = time.monotonic() + plan.budget, [], None
+    if any(item_kind(c.item) == "lesson" for c in plan.chosen):
+        lessons_problem = gpucheck.lessons_cannot_run(root, logs)
+        results += [lessons_problem] if lessons_problem else []
+    for candidate in plan.chosen:
+        kind, name, left = item_kind(candidate.item), item_name(candidate.item), deadline - time.monotonic()
+        if candidate.seconds > left or (kind == "lesson" and lessons_problem):
+            why = "nbval does not import" if kind == "lesson" and lessons_problem else f"{left:.0f} s were left"
+            results.append(gpucheck.StepResult(kind, name, "not started", 0.0, f"{candidate.seconds} s planned, {why}"))
+        else:
+            results.append(run_item(root, logs, candidate.item, min(left, ITEM_LIMITS[kind])))
+            result = results[-1]
+            record(ledger, candidate.item, result.status, result.seconds, result.detail, {**machine, "date": now()},
+                   deps[candidate.item])  # fmt: skip
+        report(gpucheck.summary_row(results[-1]))
+    return results
+
+
+def selected_items(root: Path, only: list[str] | None) -> list[str]:
+    """Every item, or those whose names start with one of `only` ("test_memory", "03", "fit_overhead")."""
+    items = gpu_items(root)
+    if only is None:
+        return items
+    unmatched = [prefix for prefix in only if not any(item_name(item).startswith(prefix) for item in items)]
+    if unmatched:
+        raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no gpu test file, lesson or benchmark.")
+    return [item for item in items if any(item_name(item).startswith(prefix) for prefix in only)]
+
+
+def write_outputs(out: Path, logs: Path, section: str, summary: str, ledger: dict) -> None:
+    """OUT_FILES into `out`: what comes back from a lent machine (at most 8 files, 16 MiB each)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(section)
+    (out / "summary.txt").write_text(summary + "\n")
+    save_ledger(out / "gpu-ledger.json", ledger)
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as archive:
+        archive.add(logs, arcname=logs.name)
+
+
+def run_budget_check(
+    budget: float, *, only=None, leases: int = 1, dry_run: bool = False, out: Path | None = None,
+    log_dir: Path | None = None, results_path: Path | None = None, gpu: str = "NVIDIA H100 80GB HBM3",
+) -> int:  # fmt: skip
+    """gpu-check --budget: plan from the ledger and run the plan (or, `dry_run`, print `leases` plans for `gpu`,
+    running nothing, GPU or not); record each item in the ledger; the section, summary, ledger and logs go to
+    `out` if given, else the section to `results_path` (default benchmarks/RESULTS.md) and the ledger in place."""
+    if budget <= 0 or leases < 1:
+        raise ValueError(f"gpu-check --budget must be > 0 seconds and --leases >= 1 (got {budget}, {leases}).")
+    root = gpucheck.repository_root()
+    ledger, items = load_ledger(root / LEDGER_PATH), selected_items(root, only)
+    deps, head = {item: dependencies(root, item) for item in items}, git_commit(root) or "unknown"
+    changes = changes_by_commit(root, ledger, head)
+    if dry_run:
+        machine = {"gpu": gpu, "torch": "planned", "date": now()}
+        print(format_plans(plan_leases(ledger, deps, changes, budget, leases, lambda _: machine), gpu))
+        return 0
+    message = gpucheck.no_gpu_message()
+    if message:
+        print(message, file=sys.stderr)
+        return gpucheck.EXIT_NO_GPU
+    machine = gpucheck.describe_machine(root)
+    plan = pack(candidates(ledger, deps, changes), budget)
+    print(format_plans([plan], machine.gpu), flush=True)
+    logs = log_dir or root / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    identity = {"gpu": machine.gpu, "torch": machine.torch, "commit": head[:12]}
+    results = run_plan(root, logs, plan, ledger, deps, identity, functools.partial(print, flush=True))
+    seconds = time.monotonic() - started
+    section = gpucheck.results_section(machine, results, seconds, f"gpu-check --budget {budget:.0f}")
+    save_ledger(root / LEDGER_PATH, ledger)
+    if out:
+        text = gpucheck.summary(machine, results, seconds, None, logs)
+        write_outputs(out, logs, section, text, ledger)
+    else:
+        text = gpucheck.summary(machine, results, seconds, results_path or root / "benchmarks" / "RESULTS.md", logs)
+        gpucheck.append_section(results_path or root / "benchmarks" / "RESULTS.md", section)
+    print("\n" + text)
+    return gpucheck.exit_code(results)
+
+
+def collect(folder: Path, results_path: Path | None = None) -> int:
+    """gpu-check --collect DIR: DIR/results.md appended to benchmarks/RESULTS.md and DIR/gpu-ledger.json merged
+    into the ledger (an item's entry taken where its last run there is newer), running nothing."""
+    root = gpucheck.repository_root()
+    missing = [name for name in ("results.md", "gpu-ledger.json") if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"gpu-check --collect: {folder} has no {', '.join(missing)}; give the folder "
+                                "`gpu-check --budget … --out DIR` wrote (tools/gpu_lease.sh: $OUT).")  # fmt: skip
+    results_path = results_path or root / "benchmarks" / "RESULTS.md"
+    gpucheck.append_section(results_path, (folder / "results.md").read_text())
+    ledger = load_ledger(root / LEDGER_PATH)
+    taken = merge_ledgers(ledger, load_ledger(folder / "gpu-ledger.json"))
+    save_ledger(root / LEDGER_PATH, ledger)
+    print(
+        f"section added to {results_path}; {len(taken)} items of {LEDGER_PATH} updated: {', '.join(map(item_name, taken))}"
+    )
+    return 0

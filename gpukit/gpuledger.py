@@ -122,6 +122,10 @@ def _defining_module(root: Path, module: str, name: str | None, depth: int = 0) 
     for source, imported in _imported(ast.parse(init.read_text()), module):
         if imported == name and source != module:
             return _defining_module(root, source, name, depth + 1)
+    defines = re.compile(rf"^(?:class |def ){re.escape(name)}\b|^{re.escape(name)}\s*[:=]", re.MULTILINE)
+    for path in sorted(init.parent.glob("*.py")):  # a name the package loads lazily (its __getattr__)
+        if path.name != "__init__.py" and defines.search(path.read_text()):
+            return f"{module}.{path.stem}"
     return module
 
 

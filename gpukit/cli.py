@@ -144,7 +144,8 @@ def _add_gpu_check(commands) -> None:
     check.add_argument("--log-dir", type=Path, help="default: runs/gpu-check/DATE-TIME in the checkout")
     check.add_argument(
         "--only",
-        help="comma-separated starts of lesson and benchmark names to run, in that order (e.g. 03,06,fit_overhead)",
+        help="comma-separated starts of gpu test file, lesson and benchmark names to run, in that order "
+        "(e.g. test_memory,03,06,fit_overhead)",
     )
     check.add_argument("--seconds", type=float, help="the whole check's time limit, for a short lease")
     _add_budget_options(check)

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import data, distributed, gpucheck, jupyter, models, nbval, shipped
+from . import data, distributed, gpucheck, gpuledger, jupyter, models, nbval, shipped
 from .checkup import collect
 from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
@@ -161,18 +161,49 @@ def _add_gpu_check(commands) -> None:
     check.add_argument("--log-dir", type=Path, help="default: runs/gpu-check/DATE-TIME in the checkout")
     check.add_argument(
         "--only",
-        help="comma-separated starts of lesson and benchmark names to run, in that order (e.g. 03,06,fit_overhead)",
+        help="comma-separated starts of gpu test file, lesson and benchmark names to run, in that order "
+        "(e.g. test_memory,03,06,fit_overhead)",
     )
     check.add_argument("--seconds", type=float, help="the whole check's time limit, for a short lease")
-    check.set_defaults(
-        handler=lambda args: gpucheck.run_gpu_check(
-            args.steps.split(","),
-            args.results,
-            args.log_dir,
-            only=args.only.split(",") if args.only else None,
-            seconds=args.seconds,
-        )
+    _add_budget_options(check)
+    check.set_defaults(handler=gpu_check_main)
+
+
+def _add_budget_options(check) -> None:
+    """gpu-check --budget and its company (gpukit/gpuledger.py): a check planned from benchmarks/gpu-ledger.json."""
+    check.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="run what is due in the ledger (never passed on a GPU, or changed since), most valuable first, packed "
+        "into SECONDS; record each in benchmarks/gpu-ledger.json (ignores --steps and --seconds)",
     )
+    check.add_argument(
+        "--dry-run", action="store_true", help="with --budget: print the plan, run nothing (no GPU needed)"
+    )
+    check.add_argument("--leases", type=int, default=1, help="with --dry-run: plan this many leases in a row")
+    check.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="with --dry-run: the GPU the plan is for")
+    check.add_argument(
+        "--out", type=Path, help="with --budget: write results.md, summary.txt, the ledger and logs here"
+    )
+    check.add_argument(
+        "--collect",
+        type=Path,
+        metavar="DIR",
+        help="run nothing: append DIR/results.md to RESULTS.md and merge DIR/gpu-ledger.json into the ledger",
+    )
+
+
+def gpu_check_main(args: argparse.Namespace) -> int:
+    only = args.only.split(",") if args.only else None
+    if args.collect:
+        return gpuledger.collect(args.collect, args.results)
+    if args.budget is not None:
+        return gpuledger.run_budget_check(
+            args.budget, only=only, leases=args.leases, dry_run=args.dry_run, out=args.out,
+            log_dir=args.log_dir, results_path=args.results, gpu=args.gpu,
+        )  # fmt: skip
+    return gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir, only=only, seconds=args.seconds)
 
 
 def _add_site(commands) -> None:

@@ -56,6 +56,7 @@ STEP_SECONDS = {"tests": TESTS_SECONDS, "lessons": LESSONS_SECONDS, "benchmarks"
 STEPS = tuple(STEP_SECONDS)
 EXIT_FAILED = 1  # a step failed or timed out
 EXIT_NO_GPU = 3  # nothing was run
+EXIT_UNCOLLECTED = 4  # nothing failed, but a test file could not be collected (a module it imports is missing)
 
 
 @dataclass
@@ -79,7 +80,9 @@ class Machine:
 class StepResult:
     kind: str  # "tests", "lesson" or "benchmark"
     name: str
-    status: str  # "pass", "fail", "timeout", "skipped" or "not run"
+    # "pass", "fail", "timeout", "skipped", "not run", "uncollected" (a test file that could not be imported) or
+    # "not started" (gpu-check --budget: it would not have finished in what was left)
+    status: str
     seconds: float
     detail: str = ""  # counts, the first failure or why it was skipped
     counts: dict[str, Counter] = field(default_factory=dict)  # tests: per test file
@@ -88,6 +91,10 @@ class StepResult:
     @property
     def failed(self) -> bool:
         return self.status in ("fail", "timeout", "not run")  # "not run": its step's time was spent
+
+    @property
+    def uncollected(self) -> bool:
+        return self.status == "uncollected" or any(counts["uncollected"] for counts in self.counts.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +238,9 @@ NBVAL_REASON = re.compile(r"^Cell \d+: (.+)$")  # nbval: "Cell 12: Timeout of 24
 
 
 def _outcome(case: ElementTree.Element) -> str:
+    error = case.find("error")
+    if error is not None and not case.get("classname") and error.get("message") == "collection failure":
+        return "uncollected"  # pytest's record of a test file it could not import: name "tests.test_site"
     for tag, outcome in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
         if case.find(tag) is not None:
             return outcome
@@ -244,7 +254,8 @@ def junit_counts(path: Path) -> dict[str, Counter]:
         return {}
     counts: dict[str, Counter] = {}
     for case in ElementTree.parse(path).iter("testcase"):
-        parts = case.get("classname", "").split(".")  # "tests.test_memory" or "tests.test_memory.TestClass"
+        # "tests.test_memory" or "tests.test_memory.TestClass"; a collection error has only a name "tests.test_site"
+        parts = (case.get("classname") or case.get("name", "")).split(".")
         group = next((part for part in parts if part.startswith("test_")), ".".join(parts) or "?")
         counts.setdefault(group, Counter())[_outcome(case)] += 1
     return counts
@@ -275,7 +286,7 @@ def first_failure(path: Path, width: int = 160) -> str:
 
 
 def describe_counts(counts: Counter) -> str:
-    order = ("passed", "failed", "errors", "skipped")
+    order = ("passed", "failed", "errors", "skipped", "uncollected")
     return ", ".join(f"{counts[key]} {key}" for key in order if counts[key]) or "nothing ran"
 
 
@@ -283,16 +294,25 @@ def describe_counts(counts: Counter) -> str:
 # The three steps
 
 
-def run_tests(root: Path, logs: Path, seconds: float = TESTS_SECONDS) -> StepResult:
-    """`pytest -m gpu tests/`, with the counts of each test file."""
-    junit = logs / "tests.xml"
+def tests_status(status: str, code: int | None, total: Counter) -> str:
+    """ "uncollected" where pytest failed only because a test file could not be imported; else `status`."""
+    if status == "fail" and total["uncollected"] and not (total["failed"] or total["errors"]):
+        return "uncollected"
+    return status
+
+
+def run_tests(root: Path, logs: Path, seconds: float = TESTS_SECONDS, files: list[str] | None = None) -> StepResult:
+    """`pytest -m gpu tests/` (or only `files`, paths from the root), with the counts of each test file."""
+    name = "-m gpu" if files is None else " ".join(Path(file).stem for file in files)
+    junit = logs / f"tests{'' if files is None else '-' + name.replace(' ', '-')}.xml"
+    log = junit.with_suffix(".log")
     command = [
         sys.executable,
         "-m",
         "pytest",
         "-m",
         "gpu",
-        "tests/",
+        *(files or ["tests/"]),
         "-q",
         "-p",
         "no:cacheprovider",
@@ -304,19 +324,20 @@ def run_tests(root: Path, logs: Path, seconds: float = TESTS_SECONDS) -> StepRes
         f"timeout={min(120, int(seconds))}",
     ]
     status, code, elapsed = run_command(
-        command, cwd=root, environment=child_environment(root), seconds=seconds, log=logs / "tests.log"
+        command, cwd=root, environment=child_environment(root), seconds=seconds, log=log
     )
     counts = junit_counts(junit)
     total = sum(counts.values(), Counter())
+    status = tests_status(status, code, total)
     if status == "timeout":
         detail = f"stopped after {seconds:.0f} s; {describe_counts(total)}"
     elif code == 5:  # pytest: no tests collected
         status, detail = "fail", "no tests marked gpu were collected"
     else:
-        detail = describe_counts(total) if counts else last_line(logs / "tests.log")
-        if status == "fail" and counts:
+        detail = describe_counts(total) if counts else last_line(log)
+        if status in ("fail", "uncollected") and counts:
             detail += f"; first: {first_failure(junit)}"
-    return StepResult("tests", "-m gpu", status, elapsed, detail, counts)
+    return StepResult("tests", name, status, elapsed, detail, counts)
 
 
 def _time_left(deadline: float, limit: float) -> float:
@@ -340,22 +361,44 @@ def lesson_command(notebook: Path, junit: Path, keep: Path, cell_seconds: int, s
     ]  # fmt: skip
 
 
+def lessons_cannot_run(root: Path, logs: Path) -> StepResult | None:
+    """One clear failure, not ten alike, where nbval or the kernel cannot even be imported (a missing wheel)."""
+    command = [sys.executable, "-c", "import nbval.plugin, ipykernel.kernelapp"]
+    environment = child_environment(root, GPUKIT_PROFILE="gpu")
+    log = logs / "lessons-imports.log"
+    status, _, elapsed = run_command(command, cwd=root, environment=environment, seconds=120, log=log)
+    if status == "pass":
+        return None
+    return StepResult("lesson", "(all)", "fail", elapsed, f"nbval or ipykernel does not import: {last_line(log)}")
+
+
+def run_lesson(root: Path, logs: Path, notebook: Path, limit: float) -> StepResult:
+    """One lesson under nbval in the gpu profile, in its own pytest and kernel, stopped after `limit` seconds."""
+    name, junit = notebook.stem, logs / f"{notebook.stem}.xml"
+    command = lesson_command(notebook, junit, logs / "notebooks", min(CELL_SECONDS, int(limit)), int(limit))
+    environment = child_environment(root, GPUKIT_PROFILE="gpu")
+    status, _, elapsed = run_command(
+        command, cwd=root, environment=environment, seconds=limit, log=logs / f"{name}.log"
+    )
+    cells = sum(junit_counts(junit).values(), Counter())
+    if status == "timeout":  # nbval may have failed a cell by its own timeout before we stopped it
+        detail = "; ".join(filter(None, [f"stopped after {limit:.0f} s", first_failure(junit)]))
+    elif status == "fail":
+        detail = first_failure(junit) or last_line(logs / f"{name}.log")
+    else:
+        detail = f"cells: {describe_counts(cells)}"
+    return StepResult("lesson", name, status, elapsed, detail)
+
+
 def run_lessons(
     root: Path, logs: Path, seconds: float = LESSONS_SECONDS, *, only=None, report=print
 ) -> list[StepResult]:
     """Each lesson under nbval in the gpu profile, one pytest (and one kernel) per lesson, timed."""
     deadline = time.monotonic() + seconds
-    environment = child_environment(root, GPUKIT_PROFILE="gpu")
-    # One clear failure, not ten alike, where nbval or the kernel cannot even be imported (a missing wheel).
-    command = [sys.executable, "-c", "import nbval.plugin, ipykernel.kernelapp"]
-    status, _, elapsed = run_command(
-        command, cwd=root, environment=environment, seconds=120, log=logs / "lessons-imports.log"
-    )
-    if status != "pass":
-        problem = last_line(logs / "lessons-imports.log")
-        result = StepResult("lesson", "(all)", "fail", elapsed, f"nbval or ipykernel does not import: {problem}")
-        report(summary_row(result))
-        return [result]
+    problem = lessons_cannot_run(root, logs)
+    if problem:
+        report(summary_row(problem))
+        return [problem]
     results = []
     for notebook in chosen((root / "notebooks").glob("[0-9][0-9]_*.ipynb"), only):
         name, limit = notebook.stem, _time_left(deadline, LESSON_SECONDS)
@@ -363,19 +406,7 @@ def run_lessons(
             results.append(StepResult("lesson", name, "not run", 0.0, f"the lessons' {seconds:.0f} s were spent"))
             report(summary_row(results[-1]))
             continue
-        junit = logs / f"{name}.xml"
-        command = lesson_command(notebook, junit, logs / "notebooks", min(CELL_SECONDS, int(limit)), int(limit))
-        status, _, elapsed = run_command(
-            command, cwd=root, environment=environment, seconds=limit, log=logs / f"{name}.log"
-        )
-        cells = sum(junit_counts(junit).values(), Counter())
-        if status == "timeout":  # nbval may have failed a cell by its own timeout before we stopped it
-            detail = "; ".join(filter(None, [f"stopped after {limit:.0f} s", first_failure(junit)]))
-        elif status == "fail":
-            detail = first_failure(junit) or last_line(logs / f"{name}.log")
-        else:
-            detail = f"cells: {describe_counts(cells)}"
-        results.append(StepResult("lesson", name, status, elapsed, detail))
+        results.append(run_lesson(root, logs, notebook, limit))
         report(summary_row(results[-1]))
     return results
 
@@ -409,23 +440,26 @@ def benchmark_command(script: Path, figures_path: Path) -> list[str]:
     ]
 
 
+def run_benchmark(root: Path, logs: Path, script: Path, limit: float) -> StepResult:
+    """`script --device cuda --json …`, stopped after `limit` seconds, its figures read back."""
+    figures_path, log = logs / f"{script.stem}.json", logs / f"{script.stem}.log"
+    command, environment = benchmark_command(script, figures_path), child_environment(root)
+    status, _, elapsed = run_command(command, cwd=root, environment=environment, seconds=limit, log=log)
+    return _benchmark_result(script.stem, status, elapsed, limit, figures_path, log)
+
+
 def run_benchmarks(
     root: Path, logs: Path, seconds: float = BENCHMARKS_SECONDS, *, only=None, report=print
 ) -> list[StepResult]:
     """Every benchmarks/*.py with --device cuda, its figures read back from its --json file."""
     deadline = time.monotonic() + seconds
-    environment = child_environment(root)
     results = []
     for script in chosen((root / "benchmarks").glob("*.py"), only):
         name, limit = script.stem, _time_left(deadline, BENCHMARK_SECONDS)
         if limit < MIN_SECONDS:
             results.append(StepResult("benchmark", name, "not run", 0.0, f"the benchmarks' {seconds:.0f} s were spent"))
         else:
-            figures_path, log = logs / f"{name}.json", logs / f"{name}.log"
-            status, _, elapsed = run_command(
-                benchmark_command(script, figures_path), cwd=root, environment=environment, seconds=limit, log=log
-            )
-            results.append(_benchmark_result(name, status, elapsed, limit, figures_path, log))
+            results.append(run_benchmark(root, logs, script, limit))
         report(summary_row(results[-1]))
     return results
 
@@ -487,9 +521,11 @@ def _benchmark_markdown(result: StepResult) -> list[str]:
     return lines
 
 
-def results_section(machine: Machine, results: list[StepResult], seconds: float) -> str:
+def results_section(
+    machine: Machine, results: list[StepResult], seconds: float, command: str = "make gpu-check"
+) -> str:
     """The Markdown section for benchmarks/RESULTS.md, headed with the GPU's name and the date."""
-    lines = [f"## GPU: {machine.gpu}, {machine.date} (`make gpu-check`)", ""]
+    lines = [f"## GPU: {machine.gpu}, {machine.date} (`{command}`)", ""]
     facts = {
         "GPU": machine.gpu,
         "driver": machine.driver,
@@ -500,8 +536,11 @@ def results_section(machine: Machine, results: list[StepResult], seconds: float)
         "the check took": _minutes(seconds),
     }
     lines += markdown_table(list(facts), [facts]) + [""]
-    failed = [f"{r.kind} {r.name}" for r in results if r.failed]
+    failed, uncollected = failed_and_uncollected(results)
     lines += [f"Failed: {', '.join(failed)}." if failed else "Everything that ran passed.", ""]
+    lines += [f"Could not be collected (a module they import is missing): {', '.join(uncollected)}.", ""] * bool(
+        uncollected
+    )
     lines += [line for r in results if r.kind == "tests" for line in _tests_markdown(r)]
     lessons = [r for r in results if r.kind == "lesson"]
     lines += _lessons_markdown(lessons) if lessons else []
@@ -527,6 +566,27 @@ def summary_row(result: StepResult, width: int = 120) -> str:
     return _shorten(f"{label:<42} {result.status:<8}{result.seconds:>5.0f} s  {result.detail}", width)
 
 
+def failed_and_uncollected(results: list[StepResult]) -> tuple[list[str], list[str]]:
+    """What failed (a test, lesson or benchmark ran and went wrong), and apart from it the test files that could
+    not be collected (a module they import is missing: the machine's packages are at fault, not what they test)."""
+    failed = [f"{r.kind} {r.name}" for r in results if r.failed]
+    uncollected = sorted({group for r in results for group, c in r.counts.items() if c["uncollected"]})
+    return failed, uncollected + [f"{r.kind} {r.name}" for r in results if r.status == "uncollected" and not r.counts]
+
+
+def verdict(results: list[StepResult]) -> str:
+    failed, uncollected = failed_and_uncollected(results)
+    parts = [f"FAILED {len(failed)} of {len(results)}: {', '.join(failed)}"] if failed else []
+    parts += [f"NOT COLLECTED: {', '.join(uncollected)}"] if uncollected else []
+    return "; ".join(parts) or "all passed or skipped"
+
+
+def exit_code(results: list[StepResult]) -> int:
+    if any(r.failed for r in results):
+        return EXIT_FAILED
+    return EXIT_UNCOLLECTED if any(r.uncollected for r in results) else 0
+
+
 def summary(machine: Machine, results: list[StepResult], seconds: float, results_path: Path | None, logs: Path) -> str:
     """len(results) + 4 lines: the machine, a line per test step, lesson and benchmark, the verdict, where to look."""
     lines = [
@@ -534,9 +594,7 @@ def summary(machine: Machine, results: list[StepResult], seconds: float, results
         f"Python {machine.python}"
     ]
     lines += [summary_row(result) for result in results]
-    failed = [f"{r.kind} {r.name}" for r in results if r.failed]
-    verdict = f"FAILED {len(failed)} of {len(results)}: {', '.join(failed)}" if failed else "all passed or skipped"
-    lines.append(_shorten(f"{_minutes(seconds)} in all; {verdict}", 160))
+    lines.append(_shorten(f"{_minutes(seconds)} in all; {verdict(results)}", 160))
     lines += [f"section added to {results_path}"] if results_path else []
     lines.append(f"logs in {logs}")
     return "\n".join(lines)
@@ -576,12 +634,11 @@ def run_gpu_check(
         raise ValueError(f"unknown gpu-check step(s) {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}.")
     if only is not None:  # named wrong: said before anything runs, GPU or not
         root = repository_root()
-        names = [
-            p.name for p in [*(root / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(root / "benchmarks").glob("*.py")]
-        ]
+        names = [p.name for p in [*root.glob("notebooks/[0-9][0-9]_*.ipynb"), *root.glob("benchmarks/*.py")]]
+        names += [p.name for p in root.glob("tests/test_*.py")]
         unmatched = [prefix for prefix in only if not any(name.startswith(prefix) for name in names)]
         if unmatched:
-            raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no lesson or benchmark.")
+            raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no test file, lesson or benchmark.")
     message = no_gpu_message()
     if message:
         print(message, file=sys.stderr)
@@ -598,7 +655,10 @@ def run_gpu_check(
     for step in steps:
         limit = _time_left(deadline, STEP_SECONDS[step])
         if step == "tests":
-            results.append(run_tests(root, logs, limit))
+            test_files = [
+                path.relative_to(root).as_posix() for path in chosen(root.glob("tests/test_*.py"), only or [])
+            ]
+            results.append(run_tests(root, logs, limit, *([test_files] if test_files else [])))
             report(summary_row(results[-1]))
         elif step == "lessons":
             results += run_lessons(root, logs, limit, only=only, report=report)
@@ -607,4 +667,4 @@ def run_gpu_check(
     seconds = time.monotonic() - started
     append_section(results_path, results_section(machine, results, seconds))
     print("\n" + summary(machine, results, seconds, results_path, logs))
-    return EXIT_FAILED if any(r.failed for r in results) else 0
+    return exit_code(results)

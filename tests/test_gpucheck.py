@@ -313,3 +313,32 @@ def test_scaling_benchmarks_skip_below_two_ranks(monkeypatch):
     assert scaling.benchmark_backend("cpu", nprocs=1)[1] == "needs 2 or more ranks, and nprocs=1"
     with pytest.raises(ValueError, match="device cpu runs over gloo, not backend nccl"):
         scaling.benchmark_backend("cpu", "nccl")
+
+
+def test_a_test_file_that_cannot_be_imported_is_told_apart_from_a_failing_test(tmp_path):
+    """A tiny pytest run of gpu-check's tests step in a folder made here: one file imports a module that is not
+    installed (as tests/test_site.py without nbconvert did), one has a gpu test that fails."""
+    (tmp_path / "conftest.py").write_text(
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: x')\n"
+    )
+    (tmp_path / "test_broken.py").write_text("import not_installed_anywhere\n")
+    gpu_test = "import pytest\n\n@pytest.mark.gpu\ndef test_{0}():\n    assert {1}\n"
+    (tmp_path / "test_fails.py").write_text(
+        gpu_test.format("one", "1 == 2, 'loss rose'") + gpu_test.format("two", "True")
+    )
+    (tmp_path / "test_passes.py").write_text(gpu_test.format("three", "True"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    broken = gpucheck.run_tests(tmp_path, logs, 120, files=["test_broken.py", "test_passes.py"])
+    assert broken.status == "uncollected" and not broken.failed and broken.uncollected
+    assert broken.counts == {"test_broken": Counter(uncollected=1), "test_passes": Counter(passed=1)}
+    assert "not_installed_anywhere" in broken.detail
+    failing = gpucheck.run_tests(tmp_path, logs, 120, files=["test_fails.py"])
+    assert failing.status == "fail" and failing.failed and not failing.uncollected
+    assert failing.detail == "1 passed, 1 failed; first: test_one: AssertionError: loss rose"
+    assert gpucheck.exit_code([broken]) == gpucheck.EXIT_UNCOLLECTED
+    assert gpucheck.exit_code([broken, failing]) == gpucheck.EXIT_FAILED
+    assert gpucheck.verdict([broken, failing]) == "FAILED 1 of 2: tests test_fails; NOT COLLECTED: test_broken"
+    section = gpucheck.results_section(MACHINE, [broken], 10.0)
+    assert "Could not be collected (a module they import is missing): test_broken." in section.splitlines()
+    assert "Everything that ran passed." in section.splitlines()

@@ -47,8 +47,13 @@ STARTUP = Path(__file__).resolve().parent / "mutant_startup"  # its sitecustomiz
 LESSONS = ROOT / "notebooks"
 CELL_SECONDS = 600
 KILLED, SURVIVED, KNOWN, CRASHED, NOT_APPLICABLE, BASELINE_FAILED = (
-    "killed", "survived", "survived (known)", "crashed", "n/a", "baseline failed",
-)  # fmt: skip
+    "killed",
+    "survived",
+    "survived (known)",
+    "crashed",
+    "n/a",
+    "baseline failed",
+)
 
 
 @dataclass
@@ -79,8 +84,13 @@ def execute(path: Path, variables: dict[str, str], cell_seconds: float) -> tuple
     environment = child_environment(ROOT, **variables)
     environment.pop("MPLBACKEND", None)
     kernel = KernelManager(kernel_spec_manager=ThisPython())
-    client = NotebookClient(notebook, km=kernel, timeout=cell_seconds, interrupt_on_timeout=True,
-                            resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
+    client = NotebookClient(
+        notebook,
+        km=kernel,
+        timeout=cell_seconds,
+        interrupt_on_timeout=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     stopped = ""
     try:
         client.execute(env=environment)
@@ -96,7 +106,7 @@ def execute(path: Path, variables: dict[str, str], cell_seconds: float) -> tuple
 def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, str]:
     """(outcome, detail) of a run of `mutant` (RECORD: the baseline, "passed" or BASELINE_FAILED)."""
     error = first_error(notebook)
-    detail = f"cell {error[0]}: {error[1]}: {' '.join(error[2].split())[:160]}" if error else stopped
+    detail = f"cell {error[0]}: {error[1]}: {' '.join(error[2].split())[:100]}" if error else stopped
     if mutant == RECORD:
         return (BASELINE_FAILED if error or stopped else "passed"), detail
     if mutant not in calls.applied:
@@ -112,8 +122,12 @@ def run_one(path: Path, mutant: str, profile: str, cell_seconds: float = CELL_SE
     """Run the lesson at `path` with `mutant` (or RECORD) in a fresh kernel, and say how it went."""
     with tempfile.TemporaryDirectory(prefix="gpukit-mutant-") as folder:
         log = Path(folder) / "calls.txt"
-        variables = {"GPUKIT_MUTANT": mutant, "GPUKIT_MUTANT_CALLS": str(log), "GPUKIT_PROFILE": profile,
-                     "PYTHONPATH": os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        variables = {
+            "GPUKIT_MUTANT": mutant,
+            "GPUKIT_MUTANT_CALLS": str(log),
+            "GPUKIT_PROFILE": profile,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")])),
+        }
         started = time.perf_counter()
         notebook, stopped = execute(path, variables, cell_seconds)
         calls = Calls.read(log)
@@ -179,8 +193,14 @@ def find_lessons(chosen: Sequence[str] | None) -> list[Path]:
     return found
 
 
-MARKS = {KILLED: "killed", SURVIVED: "SURVIVED", KNOWN: "survived*", CRASHED: "CRASHED",
-         NOT_APPLICABLE: "n/a", BASELINE_FAILED: "BASELINE FAILED"}  # fmt: skip
+MARKS = {
+    KILLED: "killed",
+    SURVIVED: "SURVIVED",
+    KNOWN: "survived*",
+    CRASHED: "CRASHED",
+    NOT_APPLICABLE: "n/a",
+    BASELINE_FAILED: "BASELINE FAILED",
+}
 
 
 def table(runs: Sequence[Run]) -> str:
@@ -231,8 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown mutants {', '.join(unknown)}; choose from {', '.join(MUTANTS)}.")
     mutants = options.mutants or list(MUTANTS)
     lessons = find_lessons(options.lessons)
-    print(f"{len(lessons)} lessons × {len(mutants)} mutants, profile {options.profile}, on {machine_kind()}, "
-          f"started {datetime.datetime.now():%Y-%m-%d %H:%M}", flush=True)  # fmt: skip
+    print(
+        f"{len(lessons)} lessons × {len(mutants)} mutants, profile {options.profile}, on {machine_kind()}, "
+        f"started {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        flush=True,
+    )
 
     def report(run: Run) -> None:
         print(f"  {run.lesson} × {run.mutant}: {run.outcome} ({run.seconds:.0f} s) {run.detail}", flush=True)

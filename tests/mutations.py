@@ -87,35 +87,76 @@ def _with_bf16(env, call: int):
 MUTANTS = {
     mutant.name: mutant
     for mutant in [
-        Mutant("timeit_x2", "gpukit.bench:timeit", lambda t, call: _timing_scaled(t, 2.0),
-               "every Timing gk.bench.timeit returns ×2 (so also compare's and matmul_tflops' timings)"),
-        Mutant("timeit_second_x2", "gpukit.bench:timeit", _every_second_timing(2.0),
-               "every second gk.bench.timeit call's Timing ×2: the second of two contenders timed in turn"),
-        Mutant("compare_first_x2", "gpukit.bench:compare", _first_contender(2.0),
-               "gk.bench.compare: the first contender's Timing ×2"),
+        Mutant(
+            "timeit_x2",
+            "gpukit.bench:timeit",
+            lambda t, call: _timing_scaled(t, 2.0),
+            "every Timing gk.bench.timeit returns ×2 (so also compare's and matmul_tflops' timings)",
+        ),
+        Mutant(
+            "timeit_second_x2",
+            "gpukit.bench:timeit",
+            _every_second_timing(2.0),
+            "every second gk.bench.timeit call's Timing ×2: the second of two contenders timed in turn",
+        ),
+        Mutant(
+            "compare_first_x2",
+            "gpukit.bench:compare",
+            _first_contender(2.0),
+            "gk.bench.compare: the first contender's Timing ×2",
+        ),
         Mutant("timing_median_x2", "gpukit.bench:Timing.median", _scaled(2.0), "Timing.median ×2"),
         Mutant("matmul_tflops_x2", "gpukit.bench:matmul_tflops", _scaled(2.0), "gk.bench.matmul_tflops ×2"),
         Mutant("flops_per_step_x2", "gpukit.bench:flops_per_step", _scaled(2.0), "gk.bench.flops_per_step ×2"),
         Mutant("mfu_x2", "gpukit.bench:mfu", _scaled(2.0), "gk.bench.mfu ×2"),
-        Mutant("estimate_activations_x1.5", "gpukit.memory.prediction:estimate", _each(_activations_scaled),
-               "gk.memory.estimate: saved activations ×1.5, the predicted peak up by as many bytes"),
-        Mutant("saved_bytes_x1.5", "gpukit.memory.autograd_hooks:saved_bytes", _scaled(1.5),
-               "gk.memory.saved_bytes ×1.5"),
-        Mutant("breakdown_parts_x1.5", "gpukit.memory.measuring:breakdown", _each(_parts_scaled),
-               "gk.memory.breakdown: every part (parameters, gradients, optimizer state, activations) and the peak ×1.5"),
-        Mutant("optimizer_state_bytes_x1.5", "gpukit.memory.prediction:optimizer_state_bytes", _scaled(1.5),
-               "gk.memory.optimizer_state_bytes ×1.5"),
-        Mutant("history_throughput_x0.5", "gpukit.train.history:History.samples_per_second", _scaled(0.5),
-               "History.samples_per_second (and images_per_second, read from it) ×0.5"),
-        Mutant("history_tokens_x0.5", "gpukit.train.history:History.tokens_per_second", _scaled(0.5),
-               "History.tokens_per_second ×0.5"),
-        Mutant("allreduce_x2", "gpukit.distributed.costmodel:ring_allreduce_time", _scaled(2.0),
-               "the ring all-reduce cost model's seconds ×2"),
-        Mutant("plan_step_time_x2", "gpukit.hardware.planning:_row", lambda row, call: _plan_row_slower(row),
-               "gk.hardware.plan: each GPU's predicted step time ×2 (and the hours and cost that follow)"),
+        Mutant(
+            "estimate_activations_x1.5",
+            "gpukit.memory.prediction:estimate",
+            _each(_activations_scaled),
+            "gk.memory.estimate: saved activations ×1.5, the predicted peak up by as many bytes",
+        ),
+        Mutant(
+            "saved_bytes_x1.5", "gpukit.memory.autograd_hooks:saved_bytes", _scaled(1.5), "gk.memory.saved_bytes ×1.5"
+        ),
+        Mutant(
+            "breakdown_parts_x1.5",
+            "gpukit.memory.measuring:breakdown",
+            _each(_parts_scaled),
+            "gk.memory.breakdown: every part (parameters, gradients, optimizer state, activations) and the peak ×1.5",
+        ),
+        Mutant(
+            "optimizer_state_bytes_x1.5",
+            "gpukit.memory.prediction:optimizer_state_bytes",
+            _scaled(1.5),
+            "gk.memory.optimizer_state_bytes ×1.5",
+        ),
+        Mutant(
+            "history_throughput_x0.5",
+            "gpukit.train.history:History.samples_per_second",
+            _scaled(0.5),
+            "History.samples_per_second (and images_per_second, read from it) ×0.5",
+        ),
+        Mutant(
+            "history_tokens_x0.5",
+            "gpukit.train.history:History.tokens_per_second",
+            _scaled(0.5),
+            "History.tokens_per_second ×0.5",
+        ),
+        Mutant(
+            "allreduce_x2",
+            "gpukit.distributed.costmodel:ring_allreduce_time",
+            _scaled(2.0),
+            "the ring all-reduce cost model's seconds ×2",
+        ),
+        Mutant(
+            "plan_step_time_x2",
+            "gpukit.hardware.planning:_row",
+            lambda row, call: _plan_row_slower(row),
+            "gk.hardware.plan: each GPU's predicted step time ×2 (and the hours and cost that follow)",
+        ),
         Mutant("detect_bf16", "gpukit.env:detect", _with_bf16, "gk.detect() says bf16 where there is none"),
     ]
-}  # fmt: skip
+}
 
 # (lesson number, mutant, "cpu" or "cuda": the machine's kind) -> why the lesson cannot kill that mutant there (a
 # GPU-only claim on a CPU); it is killed on the other kind. The table says "survived (known)"; the run does not fail.

@@ -7,6 +7,7 @@
 #   make gpu-check   on a CUDA GPU: gpu tests, every lesson, every benchmark; results to benchmarks/RESULTS.md
 #   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: README)
 #   make site        run every lesson and write a static site of the results to _site/ (FROM=DIR: lessons executed before)
+#   make mutants     each lesson with one gpukit measurement made wrong: do its checks fail? (tests/mutants.py)
 
 PYTHON ?= python3
 VENV := .venv
@@ -39,7 +40,7 @@ FROM ?=
 # Empty: use .venv (made by setup). Set to a Python that already has gpukit's dependencies to skip the venv.
 PY ?=
 
-.PHONY: lab test setup unit notebooks lint clean gpu-check site
+.PHONY: lab test setup unit notebooks lint clean gpu-check site mutants
 
 setup: $(STAMP)
 
@@ -79,6 +80,13 @@ gpu-check: $(if $(PY),,setup)
 # each with its figures and checks; fails naming the lesson and cell if a lesson raised or showed no figure.
 site: $(if $(PY),,setup)
 	$(or $(PY),$(BIN)/python) -m gpukit site $(SITE_DIR) $(if $(FROM),--from $(FROM))
+
+# Lesson mutation testing: each lesson run (tiny profile) with one of gpukit's measurements made wrong by a known
+# factor; prints lesson × mutant (killed, survived, crashed, n/a) and the score. Every lesson × every mutant takes
+# hours on two cores: choose, e.g. make mutants MUTANTS_ARGS="--lessons 00 --mutants matmul_tflops_x2 timeit_x2".
+MUTANTS_ARGS ?=
+mutants: setup
+	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 lint: setup
 	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks

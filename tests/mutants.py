@@ -1,0 +1,271 @@
+"""Lesson mutation testing: does a lesson's check fail when the gpukit measurement it rests on is wrong?
+
+A *mutant* (tests/mutations.py) runs a lesson with one of gpukit's measurements made wrong by a known factor
+(matmul_tflops ×2, timeit ×2, the saved activations ×1.5, …). It is *killed* when a check cell of the lesson (a
+cell with an `assert`) fails with an AssertionError; it *survives* when the lesson passes: its claims did not
+notice. A tautology (a value checked against itself) survives by construction: both sides move together.
+Another exception is *crashed*: neither a clean kill nor a survival, reported apart. A mutant whose function the
+lesson never calls, or whose change changes nothing there (bf16 reported where it already is), is *not
+applicable*. The score is the killed share of the applicable runs.
+
+    python -m tests.mutants --lessons 00 --mutants matmul_tflops_x2 timeit_x2
+    make mutants MUTANTS_ARGS="--lessons 00 --mutants matmul_tflops_x2"
+
+Each run is a fresh Jupyter kernel (nbclient) with GPUKIT_PROFILE (tiny unless --profile), stopped at the first
+failing cell. The kernel starts with tests/mutant_startup first on PYTHONPATH: its sitecustomize.py applies the
+mutant named in GPUKIT_MUTANT before the lesson's first cell, and notes calls in the file GPUKIT_MUTANT_CALLS
+names; gpukit itself carries no mutation code. Each lesson first runs unmutated with every target wrapped to
+record its calls: a lesson that fails so makes its mutants' outcomes meaningless (all "baseline failed"), and a
+mutant whose function that run never called is not applicable without running again (--no-baseline runs each).
+Exit status 1 where a mutant survived that KNOWN_SURVIVORS does not explain, a run crashed or a baseline failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import torch
+from jupyter_client import KernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+from gpukit.gpucheck import child_environment
+from gpukit.site import ThisPython, is_check, shut_down
+from tests.mutations import KNOWN_SURVIVORS, MUTANTS, RECORD, Calls
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP = Path(__file__).resolve().parent / "mutant_startup"  # its sitecustomize.py applies the mutant
+LESSONS = ROOT / "notebooks"
+CELL_SECONDS = 600
+KILLED, SURVIVED, KNOWN, CRASHED, NOT_APPLICABLE, BASELINE_FAILED = (
+    "killed",
+    "survived",
+    "survived (known)",
+    "crashed",
+    "n/a",
+    "baseline failed",
+)
+
+
+@dataclass
+class Run:
+    """How one lesson ran with one mutant (or none: RECORD)."""
+
+    lesson: str  # the notebook's stem
+    mutant: str
+    outcome: str  # one of the outcomes above ("passed" for a baseline that passed)
+    detail: str = ""  # where it was killed or crashed: "cell 12: AssertionError: …"
+    seconds: float = 0.0
+    calls: Calls | None = None
+
+
+def first_error(notebook) -> tuple[int, str, str, bool] | None:
+    """(cell index, exception name, its message, whether the cell is a check) of the first cell with an error."""
+    for index, cell in enumerate(notebook.cells):
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                return index, output.ename, output.evalue, is_check(cell.source)
+    return None
+
+
+def execute(path: Path, variables: dict[str, str], cell_seconds: float) -> tuple[object, str]:
+    """`path` run in a fresh kernel of this Python with `variables` set, stopped at the first error. Returns the
+    executed notebook and why it stopped early where no cell says so (a timeout, a dead kernel), else ""."""
+    notebook = nbformat.read(path, as_version=4)
+    environment = child_environment(ROOT, **variables)
+    environment.pop("MPLBACKEND", None)
+    kernel = KernelManager(kernel_spec_manager=ThisPython())
+    client = NotebookClient(
+        notebook,
+        km=kernel,
+        timeout=cell_seconds,
+        interrupt_on_timeout=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    stopped = ""
+    try:
+        client.execute(env=environment)
+    except CellExecutionError:
+        pass  # the cell holds the error
+    except (CellTimeoutError, DeadKernelError) as error:
+        stopped = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    finally:
+        shut_down(client, kernel)
+    return notebook, stopped
+
+
+def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, str]:
+    """(outcome, detail) of a run of `mutant` (RECORD: the baseline, "passed" or BASELINE_FAILED)."""
+    error = first_error(notebook)
+    detail = f"cell {error[0]}: {error[1]}: {' '.join(error[2].split())[:100]}" if error else stopped
+    if mutant == RECORD:
+        return (BASELINE_FAILED if error or stopped else "passed"), detail
+    if mutant not in calls.applied:
+        return CRASHED, f"the mutant was not applied in the kernel (tests/mutant_startup failed) {detail}".strip()
+    if not error and not stopped:
+        return (SURVIVED if mutant in calls.changed else NOT_APPLICABLE), ""
+    if mutant not in calls.changed:
+        return CRASHED, f"{detail} (the mutant changed nothing: the lesson failed by itself)"
+    return (KILLED if error and error[1] == "AssertionError" and error[3] else CRASHED), detail
+
+
+def run_one(path: Path, mutant: str, profile: str, cell_seconds: float = CELL_SECONDS) -> Run:
+    """Run the lesson at `path` with `mutant` (or RECORD) in a fresh kernel, and say how it went."""
+    with tempfile.TemporaryDirectory(prefix="gpukit-mutant-") as folder:
+        log = Path(folder) / "calls.txt"
+        variables = {
+            "GPUKIT_MUTANT": mutant,
+            "GPUKIT_MUTANT_CALLS": str(log),
+            "GPUKIT_PROFILE": profile,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")])),
+        }
+        started = time.perf_counter()
+        notebook, stopped = execute(path, variables, cell_seconds)
+        calls = Calls.read(log)
+    outcome, detail = classify(notebook, stopped, mutant, calls)
+    return Run(path.stem, mutant, outcome, detail, time.perf_counter() - started, calls)
+
+
+def machine_kind() -> str:
+    """The kind KNOWN_SURVIVORS is keyed by: "cuda" where the lessons see a CUDA GPU, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def lesson_number(lesson: str) -> str:
+    return lesson.split("_", 1)[0]
+
+
+def run_lesson(
+    path: Path,
+    mutants: Sequence[str],
+    profile: str,
+    *,
+    baseline: bool = True,
+    runner: Callable[[Path, str, str], Run] = run_one,
+    report: Callable[[Run], None] = lambda run: None,
+) -> list[Run]:
+    """One Run per mutant of the lesson at `path` (`runner` runs one; `report` hears each as it ends). With
+    `baseline`, the lesson first runs unmutated recording its calls: if it fails, no mutant runs (all
+    BASELINE_FAILED); a mutant whose target it never called is NOT_APPLICABLE without a run."""
+    called = None
+    if baseline:
+        first = runner(path, RECORD, profile)
+        report(first)
+        if first.outcome != "passed":
+            return [Run(path.stem, name, BASELINE_FAILED, first.detail) for name in mutants]
+        called = first.calls.called
+    runs = []
+    for name in mutants:
+        if called is not None and MUTANTS[name].target not in called:
+            run = Run(path.stem, name, NOT_APPLICABLE, "its function was not called unmutated")
+        else:
+            run = runner(path, name, profile)
+            if run.outcome == SURVIVED and (lesson_number(path.stem), name, machine_kind()) in KNOWN_SURVIVORS:
+                run.outcome = KNOWN
+        report(run)
+        runs.append(run)
+    return runs
+
+
+def find_lessons(chosen: Sequence[str] | None) -> list[Path]:
+    """The lessons whose name starts with one of `chosen` ("00", "03_memory"), or notebook paths; all by default."""
+    lessons = sorted(LESSONS.glob("[0-9][0-9]_*.ipynb"))
+    if not chosen:
+        return lessons
+    found = []
+    for choice in chosen:
+        if choice.endswith(".ipynb"):
+            matches = [Path(choice).resolve()] if Path(choice).is_file() else []
+        else:
+            matches = [path for path in lessons if path.stem.startswith(choice)]
+        if not matches:
+            raise SystemExit(f"--lessons {choice}: no lesson in {LESSONS} starts so, and no such notebook file.")
+        found += [path for path in matches if path not in found]
+    return found
+
+
+MARKS = {
+    KILLED: "killed",
+    SURVIVED: "SURVIVED",
+    KNOWN: "survived*",
+    CRASHED: "CRASHED",
+    NOT_APPLICABLE: "n/a",
+    BASELINE_FAILED: "BASELINE FAILED",
+}
+
+
+def table(runs: Sequence[Run]) -> str:
+    """Lesson × mutant: each run's outcome, then the score, then each kill, crash and survival explained."""
+    lessons = list(dict.fromkeys(run.lesson for run in runs))
+    mutants = list(dict.fromkeys(run.mutant for run in runs))
+    outcome = {(run.lesson, run.mutant): run.outcome for run in runs}
+    width = max(len(name) for name in mutants)
+    header = f"{'mutant':<{width}}  " + "  ".join(lesson_number(lesson) + " " * 14 for lesson in lessons)
+    lines = [header.rstrip()]
+    for name in mutants:
+        cells = [MARKS.get(outcome.get((lesson, name)), "-").ljust(16) for lesson in lessons]
+        lines.append(f"{name:<{width}}  " + " ".join(cells).rstrip())
+    lines += ["", score_line(runs), ""]
+    for run in runs:
+        if run.outcome == KNOWN:
+            reason = KNOWN_SURVIVORS[(lesson_number(run.lesson), run.mutant, machine_kind())]
+            lines.append(f"{run.lesson} × {run.mutant}: {run.outcome}: {reason}")
+        elif run.outcome != NOT_APPLICABLE and run.detail:
+            lines.append(f"{run.lesson} × {run.mutant}: {run.outcome}: {run.detail}")
+    return "\n".join(lines)
+
+
+def score_line(runs: Sequence[Run]) -> str:
+    counts = {outcome: sum(run.outcome == outcome for run in runs) for outcome in MARKS}
+    applicable = counts[KILLED] + counts[SURVIVED] + counts[KNOWN] + counts[CRASHED]
+    share = f"{100 * counts[KILLED] / applicable:.0f}%" if applicable else "no applicable run"
+    return (
+        f"score: {counts[KILLED]} killed of {applicable} applicable ({share}); {counts[SURVIVED]} survived, "
+        f"{counts[KNOWN]} survived as known (*), {counts[CRASHED]} crashed, {counts[NOT_APPLICABLE]} not applicable"
+        + (f", {counts[BASELINE_FAILED]} not run: the lesson failed unmutated" if counts[BASELINE_FAILED] else "")
+    )
+
+
+def failed(runs: Sequence[Run]) -> bool:
+    return any(run.outcome in (SURVIVED, CRASHED, BASELINE_FAILED) for run in runs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lessons", nargs="*", help="lesson numbers or name prefixes (00 03_memory), or .ipynb paths")
+    parser.add_argument("--mutants", nargs="*", help=f"mutant names (default all): {', '.join(MUTANTS)}")
+    parser.add_argument("--profile", default="tiny", help="GPUKIT_PROFILE of the runs (default tiny)")
+    parser.add_argument("--no-baseline", action="store_true", help="run every mutant, without the unmutated run")
+    options = parser.parse_args(argv)
+    unknown = [name for name in options.mutants or [] if name not in MUTANTS]
+    if unknown:
+        parser.error(f"unknown mutants {', '.join(unknown)}; choose from {', '.join(MUTANTS)}.")
+    mutants = options.mutants or list(MUTANTS)
+    lessons = find_lessons(options.lessons)
+    print(
+        f"{len(lessons)} lessons × {len(mutants)} mutants, profile {options.profile}, on {machine_kind()}, "
+        f"started {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        flush=True,
+    )
+
+    def report(run: Run) -> None:
+        print(f"  {run.lesson} × {run.mutant}: {run.outcome} ({run.seconds:.0f} s) {run.detail}", flush=True)
+
+    runs = []
+    for path in lessons:
+        runs += run_lesson(path, mutants, options.profile, baseline=not options.no_baseline, report=report)
+    print("\n" + table(runs))
+    return 1 if failed(runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

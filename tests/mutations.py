@@ -1,0 +1,265 @@
+"""The mutants of lesson mutation testing (tests/mutants.py runs them): each a gpukit measurement made wrong by
+a known factor, and `apply`, which patches one into this process.
+
+tests/mutant_startup/sitecustomize.py loads this file in a mutant run's kernel at start-up, before the lesson's
+first cell, so it imports nothing of gpukit until `apply` runs (and nothing of the runner). `apply` wraps the
+target where it is defined and wherever a loaded gpukit module holds it; the wrapper notes in a CallLog which
+targets were called and which results it changed, so that "not applicable" is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RECORD = "record"  # GPUKIT_MUTANT value of the unmutated run: every target wrapped unchanged, calls recorded
+
+# ---------------------------------------------------------------------------------------------
+# The mutants
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    target: str  # "gpukit.bench:timeit", or a class's attribute: "gpukit.bench:Timing.median"
+    change: Callable[[object, int], object]  # (the true result, its call's number from 0) -> the wrong result
+    what: str  # what is made wrong, by which factor
+
+
+def _times(value, factor: float):
+    """`value` × factor: an int stays an int, None stays None (a measurement that does not apply)."""
+    if value is None:
+        return None
+    return round(value * factor) if isinstance(value, int) else value * factor
+
+
+def _scaled(factor: float) -> Callable[[object, int], object]:
+    return lambda value, call: _times(value, factor)
+
+
+def _timing_scaled(timing, factor: float):
+    return dataclasses.replace(timing, times=[seconds * factor for seconds in timing.times])
+
+
+def _every_second_timing(factor: float) -> Callable[[object, int], object]:
+    # The second of two contenders timed in turn: A, B, A, B (interleaved) or A then B (one call each).
+    return lambda timing, call: _timing_scaled(timing, factor) if call % 2 == 1 else timing
+
+
+def _first_contender(factor: float) -> Callable[[object, int], object]:
+    def change(timings: dict, call: int) -> dict:
+        first = next(iter(timings))
+        return {name: _timing_scaled(t, factor) if name == first else t for name, t in timings.items()}
+
+    return change
+
+
+def _each(change: Callable) -> Callable[[object, int], object]:
+    """A change applied to each of a list's items (estimate(batch_sizes=…) returns a list)."""
+    return lambda result, call: [change(item) for item in result] if isinstance(result, list) else change(result)
+
+
+def _activations_scaled(memory, factor: float = 1.5):
+    extra = round(memory.activations * (factor - 1))  # the peak holds the saved activations: it grows with them
+    return dataclasses.replace(memory, activations=memory.activations + extra, total=memory.total + extra)
+
+
+def _parts_scaled(memory, factor: float = 1.5):
+    fields = ("params", "buffers", "grads", "optimizer_state", "activations", "total")
+    return dataclasses.replace(memory, **{name: _times(getattr(memory, name), factor) for name in fields})
+
+
+def _plan_row_slower(row, factor: float = 2.0):
+    fields = ("step_time", "hours", "cost")  # hours and cost follow from the step time
+    return dataclasses.replace(row, **{name: _times(getattr(row, name), factor) for name in fields})
+
+
+def _with_bf16(env, call: int):
+    return env if env.bf16 else dataclasses.replace(env, bf16=True)
+
+
+MUTANTS = {
+    mutant.name: mutant
+    for mutant in [
+        Mutant(
+            "timeit_x2",
+            "gpukit.bench:timeit",
+            lambda t, call: _timing_scaled(t, 2.0),
+            "every Timing gk.bench.timeit returns ×2 (so also compare's and matmul_tflops' timings)",
+        ),
+        Mutant(
+            "timeit_second_x2",
+            "gpukit.bench:timeit",
+            _every_second_timing(2.0),
+            "every second gk.bench.timeit call's Timing ×2: the second of two contenders timed in turn",
+        ),
+        Mutant(
+            "compare_first_x2",
+            "gpukit.bench:compare",
+            _first_contender(2.0),
+            "gk.bench.compare: the first contender's Timing ×2",
+        ),
+        Mutant("timing_median_x2", "gpukit.bench:Timing.median", _scaled(2.0), "Timing.median ×2"),
+        Mutant("matmul_tflops_x2", "gpukit.bench:matmul_tflops", _scaled(2.0), "gk.bench.matmul_tflops ×2"),
+        Mutant("flops_per_step_x2", "gpukit.bench:flops_per_step", _scaled(2.0), "gk.bench.flops_per_step ×2"),
+        Mutant("mfu_x2", "gpukit.bench:mfu", _scaled(2.0), "gk.bench.mfu ×2"),
+        Mutant(
+            "estimate_activations_x1.5",
+            "gpukit.memory.prediction:estimate",
+            _each(_activations_scaled),
+            "gk.memory.estimate: saved activations ×1.5, the predicted peak up by as many bytes",
+        ),
+        Mutant(
+            "saved_bytes_x1.5", "gpukit.memory.autograd_hooks:saved_bytes", _scaled(1.5), "gk.memory.saved_bytes ×1.5"
+        ),
+        Mutant(
+            "breakdown_parts_x1.5",
+            "gpukit.memory.measuring:breakdown",
+            _each(_parts_scaled),
+            "gk.memory.breakdown: every part (parameters, gradients, optimizer state, activations) and the peak ×1.5",
+        ),
+        Mutant(
+            "optimizer_state_bytes_x1.5",
+            "gpukit.memory.prediction:optimizer_state_bytes",
+            _scaled(1.5),
+            "gk.memory.optimizer_state_bytes ×1.5",
+        ),
+        Mutant(
+            "history_throughput_x0.5",
+            "gpukit.train.history:History.samples_per_second",
+            _scaled(0.5),
+            "History.samples_per_second (and images_per_second, read from it) ×0.5",
+        ),
+        Mutant(
+            "history_tokens_x0.5",
+            "gpukit.train.history:History.tokens_per_second",
+            _scaled(0.5),
+            "History.tokens_per_second ×0.5",
+        ),
+        Mutant(
+            "allreduce_x2",
+            "gpukit.distributed.costmodel:ring_allreduce_time",
+            _scaled(2.0),
+            "the ring all-reduce cost model's seconds ×2",
+        ),
+        Mutant(
+            "plan_step_time_x2",
+            "gpukit.hardware.planning:_row",
+            lambda row, call: _plan_row_slower(row),
+            "gk.hardware.plan: each GPU's predicted step time ×2 (and the hours and cost that follow)",
+        ),
+        Mutant("detect_bf16", "gpukit.env:detect", _with_bf16, "gk.detect() says bf16 where there is none"),
+    ]
+}
+
+# (lesson number, mutant, "cpu" or "cuda": the machine's kind) -> why the lesson cannot kill that mutant there (a
+# GPU-only claim on a CPU); it is killed on the other kind. The table says "survived (known)"; the run does not fail.
+KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying one in a process (tests/mutant_startup/sitecustomize.py calls `apply` in the lesson's kernel)
+
+
+class CallLog:
+    """Lines "called TARGET" and "changed MUTANT" appended to `path` (once each per process; None: kept only
+    in memory). Worker processes append to the same file; each line is one small write."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = path
+        self.lines: set[str] = set()
+
+    def note(self, line: str) -> None:
+        if line in self.lines:
+            return
+        self.lines.add(line)
+        if self.path:
+            with open(self.path, "a") as file:
+                file.write(line + "\n")
+
+
+@dataclass
+class Calls:
+    """What a run's CallLog file says: the mutants applied, the targets called, the mutants that changed a result."""
+
+    applied: set[str] = field(default_factory=set)
+    called: set[str] = field(default_factory=set)
+    changed: set[str] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, path: Path) -> Calls:
+        calls = cls()
+        for line in path.read_text().splitlines() if path.exists() else []:
+            kind, _, name = line.partition(" ")
+            getattr(calls, kind, set()).add(name)
+        return calls
+
+
+def _resolve(target: str) -> tuple[object, str]:
+    """(the object holding the attribute, its name): a module, or a class of a module for "Class.attribute"."""
+    module_name, _, path = target.partition(":")
+    holder = importlib.import_module(module_name)
+    *classes, attribute = path.split(".")
+    for name in classes:
+        holder = getattr(holder, name)
+    return holder, attribute
+
+
+def _wrapped(original: Callable, target: str, mutant: Mutant | None, log: CallLog) -> Callable:
+    calls = itertools.count()
+
+    @functools.wraps(original)
+    def wrong(*args, **kwargs):
+        result = original(*args, **kwargs)
+        log.note(f"called {target}")
+        if mutant is None:
+            return result
+        changed = mutant.change(result, next(calls))
+        if changed is not result and changed != result:
+            log.note(f"changed {mutant.name}")
+        return changed
+
+    return wrong
+
+
+def _patch(target: str, mutant: Mutant | None, log: CallLog) -> list[tuple[object, str, object]]:
+    """Wrap `target` where it is defined and wherever a loaded gpukit module holds it (`from .bench import
+    timeit` made a name of its own); modules imported later take the wrapped one. Returns what to undo."""
+    holder, attribute = _resolve(target)
+    original = vars(holder)[attribute]
+    if isinstance(original, property):
+        replacement = property(_wrapped(original.fget, target, mutant, log), original.fset, original.fdel)
+        setattr(holder, attribute, replacement)
+        return [(holder, attribute, original)]
+    replacement = _wrapped(original, target, mutant, log)
+    undo = []
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "gpukit" or name.startswith("gpukit.")):
+            for key, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, key, replacement)
+                    undo.append((module, key, original))
+    return undo
+
+
+def apply(name: str, log: CallLog) -> list[tuple[object, str, object]]:
+    """Patch the mutant `name` in this process (RECORD: every target, unchanged, for its calls alone).
+    Returns what `undo` needs to put everything back."""
+    if name == RECORD:
+        targets = dict.fromkeys(mutant.target for mutant in MUTANTS.values())
+        return [entry for target in targets for entry in _patch(target, None, log)]
+    if name not in MUTANTS:
+        raise ValueError(f"GPUKIT_MUTANT={name!r} is no mutant; use one of {', '.join(MUTANTS)} or {RECORD!r}.")
+    mutant = MUTANTS[name]
+    return _patch(mutant.target, mutant, log)
+
+
+def undo(patches: list[tuple[object, str, object]]) -> None:
+    for holder, attribute, original in reversed(patches):
+        setattr(holder, attribute, original)

@@ -445,9 +445,18 @@ def detect() -> Env:
     gpu_count = len(gpus) if device == "cuda" else 0
     threads, threads_reason = cpu_threads(usable_cpus(), cpu_load(), torch.get_num_threads())
     return Env(
-        device, gpu_count, gpus, bf16, tf32, cpu_count, profile, reason, cuda_unusable_reason=problem,
-        threads=threads, threads_reason=threads_reason,
-    )  # fmt: skip
+        device,
+        gpu_count,
+        gpus,
+        bf16,
+        tf32,
+        cpu_count,
+        profile,
+        reason,
+        cuda_unusable_reason=problem,
+        threads=threads,
+        threads_reason=threads_reason,
+    )
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

@@ -30,8 +30,15 @@ def lab_command(folder: str | Path, options: list[str] = (), as_root: bool | Non
     as root it is added here, since the alternative is no JupyterLab at all.
     """
     as_root = running_as_root() if as_root is None else as_root
-    return [sys.executable, "-m", "jupyterlab", KEEP_LANGUAGE_INFO, *(["--allow-root"] if as_root else []),
-            *options, str(folder)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        KEEP_LANGUAGE_INFO,
+        *(["--allow-root"] if as_root else []),
+        *options,
+        str(folder),
+    ]
 
 
 def keep_language_info(model: dict, path: str, contents_manager, **_) -> None:

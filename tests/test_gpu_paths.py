@@ -631,9 +631,18 @@ def test_launch_picks_nccl_with_one_process_per_gpu(fake_cuda):
         _check_backend_and_nprocs("nccl", 3)
 
 
-def test_fork_is_refused_once_cuda_is_initialised(fake_cuda):
-    _check_fork_is_safe()  # detect() and doctor() do not initialise CUDA
-    torch.cuda.init()
+def test_fork_is_refused_where_a_cuda_device_is_visible(fake_cuda):
+    """Autograd's first backward starts a thread per CUDA device when the device count is > 0, even for a backward
+    on the CPU with CUDA never initialised, and a forked child's backward then fails: lesson 04 on the H100 (run 3,
+    2026-11-24), whose launches forked because `torch.cuda.is_initialized()` was False."""
+    gk.detect()  # detect() and doctor() do not initialise CUDA
+    assert not torch.cuda.is_initialized() and torch.cuda.device_count() == 1
+    with pytest.raises(RuntimeError, match=r"shows 1 CUDA device.*autograd.*start_method='spawn'"):
+        _check_fork_is_safe()
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        gk.distributed.launch(lambda: None, 2, backend="gloo", start_method="fork")
+    assert gk.distributed.fastest_start_method() == "spawn"
+    torch.cuda.init()  # once CUDA is initialised, that is the reason given
     with pytest.raises(RuntimeError, match="already initialised.*start_method='spawn'"):
         _check_fork_is_safe()
 

@@ -41,6 +41,7 @@ CUDA_REGIONS = [
     ("memory/allocator.py", "expandable_segments", ("after", "_cuda_device("), "past the no-GPU guard"),
     ("memory/allocator.py", "record_snapshot", ("after", "device = _cuda_device("), "past the no-GPU guard"),
     ("memory/measuring.py", "measure", ("if", "device.type == 'cuda'"), "allocator statistics"),
+    ("memory/measuring.py", "allocate_cublas_workspaces", None, "breakdown calls it on CUDA only"),
     ("memory/measuring.py", "breakdown", ("if", "cuda"), "allocator statistics (three blocks)"),
     ("memory/parts.py", "MemoryBreakdown.workspace", ("after", "if not self.allocated_timeline:"), "a CUDA breakdown"),
     ("memory/workspaces.py", "layer_workspaces", ("after", "if device.type != 'cuda':"), "past the no-GPU guard"),

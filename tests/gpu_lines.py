@@ -68,6 +68,8 @@ CUDA_REGIONS = [
     ("hardware/monitor.py", "Monitor.__init__", ("if", "device.type == 'cuda'"), "a GPU to watch"),
     ("hardware/planning.py", "_present_machine", ("if", "device.type == 'cuda'"), "the GPU's datasheet"),
     ("hardware/contention.py", "measure_contention", ("else", "device_name == 'cpu'"), "both processes on the GPU"),
+    ("data/timeline.py", "kernel_seconds", None, "diagnose calls it on CUDA only"),
+    ("data/bottleneck.py", "_time_step_alone", ("after", "if device.type != 'cuda':"), "past the no-GPU return"),
     ("data/prefetching.py", "CUDAPrefetcher.__init__", ("after", "if device.type != 'cuda':"), "past the guard"),
     ("data/prefetching.py", "CUDAPrefetcher.__len__", None, "a CUDAPrefetcher exists on CUDA only"),
     ("data/prefetching.py", "CUDAPrefetcher._copy", None, "side-stream copies"),

@@ -514,6 +514,36 @@ def test_loader_rate_and_diagnose_on_cuda(fake_cuda, one_thread):
     assert fake_cuda.called("wait_stream")  # host batches went through the side-stream prefetcher
     advice = bottleneck._advice(loader, CUDA, input_bound=True)
     assert any("pin_memory=True" in line for line in advice)  # a CUDA-only piece of advice
+    # The real profiler sees no kernel on the fake: the shares are not measured, and no launch verdict is given.
+    assert diagnosis.kernel_share is None and diagnosis.verdict in ("input-bound", "compute-bound")
+
+
+def _kernels_for(share: float, profiled: list):
+    """kernel_seconds made up: the kernels ran `share` of the host's time for the calls (the fake GPU has none)."""
+
+    def kernel_seconds(function, calls, device):
+        profiled.append((calls, device))
+        started = time.perf_counter()
+        for _ in range(calls):
+            function()
+        return share * (time.perf_counter() - started)
+
+    return kernel_seconds
+
+
+def test_diagnose_on_cuda_turns_the_kernels_share_of_the_step_into_a_verdict(fake_cuda, one_thread, monkeypatch):
+    resident = [tuple(tensor.to("cuda") for tensor in _images(8))]  # batches already on the device: never input-bound
+    profiled = []
+    monkeypatch.setattr(bottleneck, "kernel_seconds", _kernels_for(0.1, profiled))
+    small = gk.data.diagnose(resident, _linear_model(), steps=8, warmup=1, device="cuda")
+    assert profiled == [(bottleneck.PROFILED_STEPS, CUDA)]
+    # The host runs the fake's steps itself: it is in the step's calls nearly all the time (host share ~1).
+    assert small.kernel_share < 0.5 and small.host_share > 0.8, small
+    assert small.verdict == "launch-bound" and "CUDA graphs" in small.advice[1] and "kernels ran" in str(small)
+    monkeypatch.setattr(bottleneck, "kernel_seconds", _kernels_for(10.0, profiled))
+    busy = gk.data.diagnose(resident, _linear_model(), steps=8, warmup=1, device="cuda")
+    assert busy.kernel_share == 1.0 and busy.verdict == "compute-bound", busy  # clipped at the whole step
+    assert not any("CUDA graphs" in line for line in busy.advice)
 
 
 def test_a_cuda_trace_has_rows_for_the_device():

@@ -19,6 +19,10 @@ Only the layer under torch.cuda's Python functions is replaced (see `FakeCuda.in
   `Tensor.pin_memory()` gives a copy that says it is page-locked (DataLoader pins, since torch.accelerator asks
   torch.cuda.is_available); every copy to the device is listed in `FakeCuda.copies` (non_blocking, pinned, stream);
 - NVML: a fake `pynvml` module that sees the same GPUs (gpukit.detect, doctor and the Monitor ask it).
+- cuBLAS's workspaces: `torch.nn.functional.linear` of a tensor on the fake GPU (a cuBLAS GEMM there) takes a
+  workspace from the allocator on its first call per thread and keeps it, as cuBLAS does per (thread, stream): one
+  for the calling thread, and one for autograd's device thread when its backward runs (`FakeCuda.cublas_workspaces`).
+  32 MiB each on Hopper (capability 9.0), 8 MiB + 128 KiB elsewhere, as `_cuda_getCublasWorkspaceSize` reports.
 Everything above stays real: get_device_properties, mem_get_info, memory_stats, max_memory_allocated,
 set_per_process_memory_fraction, synchronize, current_stream, stream(), memory._record_memory_history and _snapshot
 run torch's own code, including its argument checks (`_get_device_index`). That is how this layer found that
@@ -54,6 +58,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 import types
@@ -147,6 +152,7 @@ class FakeCuda:
         self.completed = [0] * len(self.gpus)  # per device: events up to this number have completed
         self.copies: list[dict] = []  # one per Tensor.to("cuda")
         self.nvml_initialized = 0  # nvmlInit calls not yet matched by nvmlShutdown
+        self.cublas_workspaces: dict[tuple, int] = {}  # (thread, device) → the workspace's address
         self._next_address = 0x7F0000000000
         # The allocator settings torch applied last: at start-up the first of these variables that is set.
         variables = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -398,6 +404,18 @@ class FakeCuda:
             )
         self.observers.append(observer)
 
+    # -- cuBLAS -------------------------------------------------------------------------------
+
+    def cublas_workspace_size(self) -> int:
+        """What torch gives cuBLAS per (thread, stream) by default: 32 MiB on Hopper (sm90), else 8 MiB + 128 KiB."""
+        return 4096 * 8 * 1024 if self.gpus[self.current].capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+    def use_cublas(self, thread) -> None:
+        """A GEMM on `thread`: its first one takes a workspace from the caching allocator, which stays allocated."""
+        key = (thread, self.current)
+        if self.initialized and key not in self.cublas_workspaces:
+            self.cublas_workspaces[key] = self.allocate(self.cublas_workspace_size(), self.current)
+
     # -- streams -------------------------------------------------------------------------------
 
     def current_stream(self, index: int) -> tuple[int, int, int]:
@@ -431,6 +449,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.Tensor, "pin_memory", _pin_memory)  # DataLoader(pin_memory=True) pins now
         monkeypatch.setattr(torch.Tensor, "is_pinned", _is_pinned)
         monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(self))
+        monkeypatch.setattr(torch.nn.functional, "linear", _linear)
         self._reset_gpukit(monkeypatch)
         return self
 
@@ -486,7 +505,7 @@ class FakeCuda:
             "_cuda_getCurrentStream": self.current_stream,
             "_cuda_getDefaultStream": self.default_stream,
             # cuBLAS workspaces come from the caching allocator; their sizes are read from the environment
-            "_cuda_getCublasWorkspaceSize": lambda: 4096 * 1024 * 2 + 16 * 1024 * 8,
+            "_cuda_getCublasWorkspaceSize": self.cublas_workspace_size,
             "_cuda_getCublasLtWorkspaceSize": lambda: 1024 * 1024,
             "_cuda_setStream": self.set_stream,
             # torch 2.14 has both; torch 2.11 only the setter (a test deletes the getter to run as on 2.11)
@@ -626,6 +645,23 @@ class FakeEvent:
 
 # ---------------------------------------------------------------------------------------------
 # Tensors "on the GPU"
+
+
+_real_linear = torch.nn.functional.linear
+
+
+def _linear(inputs, weight, bias=None):
+    """torch.nn.functional.linear under the fake: a cuBLAS GEMM on this thread, and in backward (the hook, called
+    when the outputs' gradient arrives) GEMMs on autograd's device thread."""
+    on_the_gpu = any(isinstance(tensor, FakeCudaTensor) for tensor in (inputs, weight, bias))
+    if not on_the_gpu:  # operations on fake GPU tensors give CPU tensors: only a linear of one of them is "on" it
+        return _real_linear(inputs, weight, bias)
+    fake = _fake()
+    fake.use_cublas(threading.get_ident())
+    outputs = _real_linear(inputs, weight, bias)
+    if outputs.requires_grad:
+        outputs.register_hook(lambda grad: fake.use_cublas("autograd's device thread"))
+    return outputs
 
 
 class FakeCudaTensor(torch.Tensor):

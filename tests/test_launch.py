@@ -20,6 +20,15 @@ from gpukit.distributed import WorkerError, launch
 
 pytestmark = pytest.mark.timeout(180)
 
+
+@pytest.fixture
+def no_cuda_device(monkeypatch):
+    """The tests that fork: as on a machine without a CUDA device, where launch allows fork (elsewhere it refuses,
+    see test_fork_is_the_fastest_start_method_only_without_a_cuda_device). Their workers run no backward, the one
+    thing autograd's device threads would break in a forked child, so they fork on a GPU machine too."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 # A function as a notebook cell defines it: its module cannot be imported by the workers, so it
 # must travel by value (cloudpickle), with the global it reads.
 NOTEBOOK_CELL = """
@@ -92,6 +101,7 @@ def die_on_rank_one():
     torch.distributed.barrier()
 
 
+@pytest.mark.usefixtures("no_cuda_device")
 def test_killed_rank_is_reported_and_nothing_hangs():
     with pytest.raises(WorkerError, match=r"rank 1 of 2 was killed by SIGKILL") as caught:
         launch(die_on_rank_one, 2, backend="gloo", start_method="fork", timeout=60)
@@ -102,6 +112,7 @@ def sleep_forever():
     time.sleep(3600)
 
 
+@pytest.mark.usefixtures("no_cuda_device")
 def test_timeout_stops_every_worker():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"timeout=1.0 s; rank\(s\) \[0, 1\] were still running"):
@@ -117,11 +128,19 @@ def all_reduce_ranks():
     return total, torch.get_num_threads()
 
 
+@pytest.mark.usefixtures("no_cuda_device")
 def test_fork_after_the_parent_used_openmp_runs_with_one_thread():
     torch.nn.functional.conv2d(torch.randn(8, 3, 32, 32), torch.randn(8, 3, 3, 3)).sum()  # the parent uses OpenMP
     results = launch(all_reduce_ranks, 2, backend="gloo", start_method="fork", timeout=60)
     for total, threads in results:
         assert torch.equal(total, torch.arange(4.0) * 3) and threads == 1
+
+
+def test_fork_is_the_fastest_start_method_only_without_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU machine
+    assert gk.distributed.fork_refusal() is None and gk.distributed.fastest_start_method() == "fork"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # CUDA never initialised, but devices visible
+    assert "2 CUDA device(s)" in gk.distributed.fork_refusal() and gk.distributed.fastest_start_method() == "spawn"
 
 
 def test_fork_is_refused_once_cuda_is_initialised(monkeypatch):
@@ -148,6 +167,7 @@ def exit_early():
     ],
     ids=["unpicklable-result", "sys-exit"],
 )
+@pytest.mark.usefixtures("no_cuda_device")
 def test_results_that_cannot_come_back_are_clear_errors(function, message):
     with pytest.raises(WorkerError, match=message):
         launch(function, 1, backend="gloo", start_method="fork", timeout=60)

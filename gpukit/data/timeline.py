@@ -54,6 +54,18 @@ class Trace:
             return None
         return _overlap(copies, kernels) / total
 
+    def kernel_share(self) -> float | None:
+        """The share of the traced steps' time (from the first step's launch to the last kernel's end) in which a
+        kernel ran; None without kernels. Low means the GPU idled between kernels (a launch-bound step): a copy
+        issued after a step's launch then finds no compute to hide behind."""
+        kernels, steps = self.rows.get("compute", []), self.rows.get("step", [])
+        if not kernels or not steps:
+            return None
+        start = min(begin for begin, _ in steps)
+        end = max(begin + duration for begin, duration in kernels + steps)
+        busy = sum(min(stop, end) - max(begin, start) for begin, stop in _merge(kernels) if stop > start)
+        return busy / (end - start)
+
 
 def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
     merged = _merge(second)
@@ -111,6 +123,20 @@ def trace_steps(
     if chrome_trace is not None:
         profiler.export_chrome_trace(str(chrome_trace))
     return _intervals(profiler.events(), done, str(device), None if chrome_trace is None else str(chrome_trace))
+
+
+def kernel_seconds(function: Callable[[], object], calls: int, device: torch.device) -> float | None:
+    """Seconds in which a kernel ran on the CUDA `device` (the union of the kernels' own intervals, from
+    torch.profiler's CUDA activity) during `calls` calls of `function`; None where the profiler saw no kernel
+    (no CUPTI here, or the work ran elsewhere). The kernels' times are the GPU's own: the profiler slows the
+    host's launches, not them."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(calls):
+            function()
+        torch.cuda.synchronize(device)
+    kernels = _intervals(profiler.events(), calls, str(device), None).rows.get("compute", [])
+    busy = sum(end - start for start, end in _merge(kernels))  # milliseconds
+    return busy / 1e3 if busy > 0 else None
 
 
 # Device events that are not kernels, by Kineto's names: copies and memsets, CUDA synchronisations.

@@ -35,7 +35,7 @@ whole held-out data, and shows progress and writes checkpoints on rank 0 only.
 from . import costmodel, pipeline, scaling, stragglers, zero
 from .collectives import count_collectives
 from .jobs import wait_for_jobs
-from .launcher import WorkerError, launch
+from .launcher import WorkerError, fastest_start_method, fork_refusal, launch
 from .parallel import (
     COMPRESSIONS,
     DEFAULT_TIMEOUT_SECONDS,
@@ -80,6 +80,8 @@ __all__ = [
     "costmodel",
     "data_parallel",
     "default_device",
+    "fastest_start_method",
+    "fork_refusal",
     "is_main",
     "is_sharded",
     "launch",

@@ -4,7 +4,9 @@ several CPU processes), returns every rank's return value, and shows every rank'
 Why spawn, not fork, by default (measured, see the docstring of `launch`):
 - fork after the parent ran a multi-threaded CPU op hangs workers that use more than one thread
   (GNU OpenMP is not fork-safe), and lessons train before they launch;
-- fork after CUDA was initialised in the parent fails in the workers.
+- fork after CUDA was initialised in the parent fails in the workers;
+- fork on a machine with a CUDA device fails in the workers' first backward once the parent has run
+  any backward, even on the CPU (autograd's device threads, see `fork_refusal`).
 Spawned workers start a fresh interpreter instead, so neither can happen; the function travels
 to them by value with cloudpickle, so functions and globals defined in notebook cells work.
 """
@@ -85,8 +87,9 @@ def launch(
     start_method: "spawn" (default) starts fresh interpreters and sends `fn` by value with
              cloudpickle: it works from notebooks, also after the parent ran CPU work or touched
              CUDA. "fork" starts faster (no re-import of torch, ~3 s saved per launch) but is
-             refused once CUDA is initialised here, and runs each worker with one CPU thread,
-             because workers forked from a parent that already used OpenMP hang in their first
+             refused once CUDA is initialised here or wherever a CUDA device is visible
+             (`fork_refusal` says why; `fastest_start_method()` picks for you), and runs each
+             worker with one CPU thread, because workers forked from a parent that already used OpenMP hang in their first
              multi-threaded op (measured with torch 2.14 and GNU OpenMP).
     port:    rendezvous port on 127.0.0.1; default a free one picked now.
     timeout: seconds for the whole run; None waits as long as the workers run. Collectives have
@@ -152,13 +155,42 @@ def _check_backend_and_nprocs(backend: str | None, nprocs: int | None) -> tuple[
     return backend, nprocs
 
 
-def _check_fork_is_safe() -> None:
+def fork_refusal() -> str | None:
+    """Why forked workers would fail here, or None where fork is safe (one CPU thread per worker then).
+
+    - CUDA initialised in this process: forked workers cannot use it.
+    - A CUDA device visible (torch.cuda.device_count() > 0, which asks NVML and leaves CUDA uninitialised):
+      autograd's first backward in this process, even one run on the CPU, starts a thread per device
+      (`start_device_threads`) and marks every process forked afterwards as unable to run backward
+      (`track_bad_autograd_forks`). Whether a backward has run cannot be read from Python, so fork is refused
+      on any machine with a CUDA device. The H100 run of 2026-11-24 (run 3) failed so in lesson 04.
+    """
     if torch.cuda.is_initialized():
-        raise RuntimeError(
+        return (
             "CUDA is already initialised in this process, and forked workers cannot use it. Use "
             "start_method='spawn' (the default), or restart the kernel and launch before anything touches "
             "the GPU, or run the code as a script with torchrun."
         )
+    devices = torch.cuda.device_count()
+    if devices:
+        return (
+            f"this machine shows {devices} CUDA device(s): after any backward in this process (even one on the "
+            "CPU) autograd runs a thread per device, and a forked worker's backward then fails with \"Unable to "
+            "handle autograd's threading in combination with fork-based multiprocessing\". Use "
+            "start_method='spawn' (the default), or run the code as a script with torchrun."
+        )
+    return None
+
+
+def fastest_start_method() -> str:
+    """'fork' where forked workers can run everything (see fork_refusal), else 'spawn'."""
+    return "spawn" if fork_refusal() else "fork"
+
+
+def _check_fork_is_safe() -> None:
+    reason = fork_refusal()
+    if reason:
+        raise RuntimeError(reason)
 
 
 def _serialise(fn: Callable, args: tuple) -> bytes:

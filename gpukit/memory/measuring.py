@@ -285,6 +285,21 @@ def _cublas_workspace_bytes() -> int:
     return sum(size() for size in sizes)
 
 
+def allocate_cublas_workspaces(device: torch.device) -> None:
+    """Make cuBLAS take its workspaces now, so that no measured step takes them.
+
+    cuBLAS takes a workspace from the caching allocator on its first GEMM per thread and stream, and keeps it:
+    32 MiB each on Hopper, one for the forward's thread and one for autograd's backward thread. Taken inside the
+    first step measured in a process, they count as that step's memory: the H100 run of 2026-11-24 found the first
+    case of benchmarks/memory_estimate.py exactly 64 MiB above its prediction, and every later case exact.
+    """
+    weight = torch.ones(8, 8).to(device).requires_grad_()  # made on the host and copied: tiny
+    # With a bias (cuBLASLt's GEMM) and without (cuBLAS's), on this thread; their backward's GEMMs on autograd's.
+    linear = torch.nn.functional.linear
+    (linear(weight, weight, weight[0]) + linear(weight, weight)).sum().backward()
+    del weight
+
+
 def breakdown(
     model: nn.Module,
     batch,
@@ -316,6 +331,7 @@ def breakdown(
     precision = get_precision(precision, device)
     cuda = device.type == "cuda"
     if cuda:
+        allocate_cublas_workspaces(device)  # before the baseline: they are the process's, not this step's
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)  # what this step does not own
     copied = copy.deepcopy(model).to(device).train()

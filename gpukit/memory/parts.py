@@ -19,7 +19,7 @@ class MemoryBreakdown:
     activations:  bytes saved for backward in the forward pass (autocast's low-precision
                   weight copies included), each storage once.
     total:        the peak during the step; `other` is what the parts above (and `workspace`)
-                  do not explain (temporaries, the input batch, the cuBLAS workspaces on a GPU).
+                  do not explain (temporaries, the input batch).
                   It is negative when gradients and saved activations never all lived at once.
     workspace:    measured on CUDA only (a property): memory held only inside an operator, the
                   peak minus the allocator's highest count after any operator. It is the scratch

@@ -200,9 +200,15 @@ def gpu_check_main(args: argparse.Namespace) -> int:
         return gpuledger.collect(args.collect, args.results)
     if args.budget is not None:
         return gpuledger.run_budget_check(
-            args.budget, only=only, leases=args.leases, dry_run=args.dry_run, out=args.out,
-            log_dir=args.log_dir, results_path=args.results, gpu=args.gpu,
-        )  # fmt: skip
+            args.budget,
+            only=only,
+            leases=args.leases,
+            dry_run=args.dry_run,
+            out=args.out,
+            log_dir=args.log_dir,
+            results_path=args.results,
+            gpu=args.gpu,
+        )
     return gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir, only=only, seconds=args.seconds)
 
 

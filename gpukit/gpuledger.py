@@ -364,8 +364,10 @@ def _plan_row(candidate: Candidate) -> str:
 
 def format_plans(plans: list[Plan], gpu: str) -> str:
     """Each lease's items with planned seconds and why each is due; then what no lease of this budget fits."""
-    lines = [f"gpu-check --budget {plans[0].budget:.0f}: {len(plans)} lease(s) on {gpu}, planned from {LEDGER_PATH}",
-             f"(planned seconds: the ledger's × {MARGIN}; each item's source is in the ledger's seconds_from)"]  # fmt: skip
+    lines = [
+        f"gpu-check --budget {plans[0].budget:.0f}: {len(plans)} lease(s) on {gpu}, planned from {LEDGER_PATH}",
+        f"(planned seconds: the ledger's × {MARGIN}; each item's source is in the ledger's seconds_from)",
+    ]
     for number, plan in enumerate(plans, 1):
         lines.append(f"lease {number}: {len(plan.chosen)} item(s), {plan.seconds} s of {plan.budget:.0f}")
         lines += [_plan_row(candidate) for candidate in plan.chosen] or ["  nothing is due"]
@@ -416,8 +418,15 @@ def run_plan(root: Path, logs: Path, plan: Plan, ledger: dict, deps: Mapping, ma
         else:
             results.append(run_item(root, logs, candidate.item, min(left, ITEM_LIMITS[kind])))
             result = results[-1]
-            record(ledger, candidate.item, result.status, result.seconds, result.detail, {**machine, "date": now()},
-                   deps[candidate.item])  # fmt: skip
+            record(
+                ledger,
+                candidate.item,
+                result.status,
+                result.seconds,
+                result.detail,
+                {**machine, "date": now()},
+                deps[candidate.item],
+            )
         report(gpucheck.summary_row(results[-1]))
     return results
 
@@ -444,9 +453,16 @@ def write_outputs(out: Path, logs: Path, section: str, summary: str, ledger: dic
 
 
 def run_budget_check(
-    budget: float, *, only=None, leases: int = 1, dry_run: bool = False, out: Path | None = None,
-    log_dir: Path | None = None, results_path: Path | None = None, gpu: str = "NVIDIA H100 80GB HBM3",
-) -> int:  # fmt: skip
+    budget: float,
+    *,
+    only=None,
+    leases: int = 1,
+    dry_run: bool = False,
+    out: Path | None = None,
+    log_dir: Path | None = None,
+    results_path: Path | None = None,
+    gpu: str = "NVIDIA H100 80GB HBM3",
+) -> int:
     """gpu-check --budget: plan from the ledger and run the plan (or, `dry_run`, print `leases` plans for `gpu`,
     running nothing, GPU or not); record each item in the ledger; the section, summary, ledger and logs go to
     `out` if given, else the section to `results_path` (default benchmarks/RESULTS.md) and the ledger in place."""
@@ -491,8 +507,10 @@ def collect(folder: Path, results_path: Path | None = None) -> int:
     root = gpucheck.repository_root()
     missing = [name for name in ("results.md", "gpu-ledger.json") if not (folder / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"gpu-check --collect: {folder} has no {', '.join(missing)}; give the folder "
-                                "`gpu-check --budget … --out DIR` wrote (tools/gpu_lease.sh: $OUT).")  # fmt: skip
+        raise FileNotFoundError(
+            f"gpu-check --collect: {folder} has no {', '.join(missing)}; give the folder "
+            "`gpu-check --budget … --out DIR` wrote (tools/gpu_lease.sh: $OUT)."
+        )
     results_path = results_path or root / "benchmarks" / "RESULTS.md"
     gpucheck.append_section(results_path, (folder / "results.md").read_text())
     ledger = load_ledger(root / LEDGER_PATH)

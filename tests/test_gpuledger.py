@@ -177,8 +177,11 @@ def test_a_budgeted_run_never_starts_an_item_that_cannot_finish_and_records_what
     root = fake_checkout(tmp_path)
     monkeypatch.setattr(gpucheck, "repository_root", lambda: root)
     monkeypatch.setattr(gpucheck, "no_gpu_message", lambda: None)
-    monkeypatch.setattr(gpucheck, "describe_machine", lambda root: gpucheck.Machine([H100["gpu"]], "580", "13.0",
-                        H100["torch"], "3.12", "abc", "2026-11-28"))  # fmt: skip
+    monkeypatch.setattr(
+        gpucheck,
+        "describe_machine",
+        lambda root: gpucheck.Machine([H100["gpu"]], "580", "13.0", H100["torch"], "3.12", "abc", "2026-11-28"),
+    )
     monkeypatch.setattr(gpucheck, "lessons_cannot_run", lambda root, logs: None)
     clock = [0.0]
     monkeypatch.setattr(gpuledger.time, "monotonic", lambda: clock[0])
@@ -222,8 +225,22 @@ def _module_names_imported() -> set[str]:
 
 
 # Modules the lent GPU image has (tools/gpu-wheels.txt's header), as imported; and this checkout's own.
-IN_THE_IMAGE = {"torch", "torchvision", "numpy", "matplotlib", "PIL", "pytest", "tqdm", "cloudpickle", "pynvml", "timm",
-                "tensorboard", "yaml", "jinja2", "packaging"}  # fmt: skip
+IN_THE_IMAGE = {
+    "torch",
+    "torchvision",
+    "numpy",
+    "matplotlib",
+    "PIL",
+    "pytest",
+    "tqdm",
+    "cloudpickle",
+    "pynvml",
+    "timm",
+    "tensorboard",
+    "yaml",
+    "jinja2",
+    "packaging",
+}
 OWN = {"gpukit", "tests", "helpers", "fake_cuda", "cuda_guards", "gpu_lines", "open_in"}
 # Imported only by tests that skip without them, each with its reason (a browser, a Jupyter server).
 OPTIONAL = {"playwright", "jupyter_server", "tomli"}

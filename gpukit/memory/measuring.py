@@ -232,6 +232,7 @@ class MeasuredStep:
         grads = storage_bytes(gradients)
         if tracker is not None:
             self.gradient_serials = {tracker.serial_of(gradient) for gradient in gradients}
+        del gradients  # zero_grad(set_to_none=True) must free them, as in fit
         mark("optimizer step")
         self.step.step()
         return grads

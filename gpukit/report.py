@@ -41,12 +41,19 @@ def format_bytes(count: float | None) -> str:
 class Table:
     """Rows of dicts shown as a table: HTML in Jupyter, aligned text in print()."""
 
-    def __init__(self, rows: Sequence[dict], columns: Sequence[str] | None = None, title: str | None = None):
+    def __init__(
+        self,
+        rows: Sequence[dict],
+        columns: Sequence[str] | None = None,
+        title: str | None = None,
+        notes: Sequence[str] = (),
+    ):
         self.rows = [dict(row) for row in rows]
         self.columns = (
             list(columns) if columns is not None else list(dict.fromkeys(k for row in self.rows for k in row))
         )
         self.title = title
+        self.notes = list(notes)  # lines shown under the table
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -62,7 +69,7 @@ class Table:
         widths = [max(len(line[i]) for line in cells) for i in range(len(self.columns))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells]
         lines.insert(1, "  ".join("-" * width for width in widths))
-        return "\n".join(([self.title] if self.title else []) + lines)
+        return "\n".join(([self.title] if self.title else []) + lines + self.notes)
 
     __repr__ = __str__
 
@@ -73,7 +80,8 @@ class Table:
             for row in self.rows
         )
         caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
-        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        notes = "".join(f"<p>{html.escape(note)}</p>" for note in self.notes)
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{notes}"
 
 
 def save_tables(path: str | Path, tables: Sequence[Table], **figures) -> None:

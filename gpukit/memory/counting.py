@@ -48,7 +48,10 @@ class LiveTensors(TorchDispatchMode):
 
     A new storage is counted when an operator first returns it (views share their base's
     storage) and uncounted when it is freed (a weak reference's callback). Storages that
-    existed before are counted only if passed to `add`. `phase` labels the samples.
+    existed before are counted only if passed to `add`. `phase` labels the samples. Each storage gets a
+    serial number when first counted (an address can be reused by a later storage, a serial cannot);
+    `at_peak` maps the serials of the storages alive at the peak to their bytes, so that the peak can be
+    told apart into what was alive then.
     `allocated`, a function returning the allocator's count in bytes (CUDA), is read at every
     sample too, into `allocator_samples`, so that the two counts can be compared op by op.
     """
@@ -60,7 +63,9 @@ class LiveTensors(TorchDispatchMode):
         self.allocated = allocated
         self.allocator_samples: list[int] = []  # the allocator's bytes after each operator (with `allocated`)
         self.most_storages = 0  # the most storages alive at once
-        self.live: dict[int, tuple[weakref.ref, int]] = {}  # storage id -> (weak reference, bytes)
+        self.live: dict[int, tuple[weakref.ref, int, int]] = {}  # storage id -> (weak reference, bytes, serial)
+        self.counted = 0  # storages counted so far: the next one's serial
+        self.at_peak: dict[int, int] = {}  # serial -> bytes, of the storages alive at the peak
         self.bytes = 0
         self.peak = 0
         self.peak_phase = "start"
@@ -72,6 +77,12 @@ class LiveTensors(TorchDispatchMode):
         for tensor in tensors:
             self._count(tensor)
         self._sample()
+
+    def serial_of(self, tensor) -> int | None:
+        """The serial of the live storage behind `tensor` (None if it is not counted)."""
+        storage = storage_of(tensor)
+        known = self.live.get(storage._cdata) if storage is not None else None
+        return known[2] if known is not None else None
 
     def start_phase(self, name: str) -> None:
         self.phase = name
@@ -88,10 +99,11 @@ class LiveTensors(TorchDispatchMode):
         known = self.live.get(key)
         if known is not None:  # in place, or a view; an out= argument may have been resized
             self.bytes += size - known[1]
-            self.live[key] = (known[0], size)
+            self.live[key] = (known[0], size, known[2])
             return
         self.bytes += size
-        self.live[key] = (weakref.ref(storage, partial(self._freed, key)), size)
+        self.live[key] = (weakref.ref(storage, partial(self._freed, key)), size, self.counted)
+        self.counted += 1
 
     def _freed(self, key: int, _reference) -> None:
         entry = self.live.pop(key, None)
@@ -105,6 +117,7 @@ class LiveTensors(TorchDispatchMode):
             self.allocator_samples.append(self.allocated())
         if self.bytes > self.peak:
             self.peak, self.peak_phase = self.bytes, self.phase
+            self.at_peak = {serial: size for _, size, serial in self.live.values()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -123,6 +136,16 @@ class LiveTensors(TorchDispatchMode):
         return result
 
 
+def _is_cast_parameter(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (or the tensor it is a view of: a Linear saves its weight transposed) is a parameter
+    cast to another dtype: made by `_to_copy` of a leaf that autograd accumulates a gradient into."""
+    base = tensor._base if tensor._base is not None else tensor
+    node = base.grad_fn
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    return any(isinstance(getattr(source, "variable", None), nn.Parameter) for source, _ in node.next_functions)
+
+
 class SavedTensors:
     """Bytes that autograd saves for backward, from saved-tensor hooks, per module.
 
@@ -131,13 +154,22 @@ class SavedTensors:
     inputs are saved, so a checkpointed model is counted as it really is. Only storages still
     alive when the forward ends count (saved by a graph that was dropped, they are not kept for
     backward): a freed storage's address can be reused by a new one, which must count afresh.
+
+    `weight_copies`: the bytes of those storages that are a parameter cast to another dtype (autocast's
+    bf16 or fp16 copy of an fp32 weight, which the convolution or matrix product that used it saves).
+    `serials`: the tracker's serials of the storages counted (with a `tracker`), to find them at its peak.
     """
 
-    def __init__(self, model: nn.Module, exclude: set[int]):
+    def __init__(self, model: nn.Module, exclude: set[int], tracker: LiveTensors | None = None):
         self.model = model
         self.exclude = exclude
-        self.saved: dict[int, tuple[weakref.ref, int, str]] = {}  # storage id -> (weak reference, bytes, module)
+        self.tracker = tracker
+        # storage id -> (weak reference, bytes, module, whether it is a cast copy of a parameter)
+        self.saved: dict[int, tuple[weakref.ref, int, str, bool]] = {}
         self.bytes = 0
+        self.weight_copies = 0
+        self.weight_copy_dtypes: set[torch.dtype] = set()
+        self.serials: set[int] = set()
         self.by_module: Counter = Counter()
         self.stack: list[str] = []
 
@@ -147,14 +179,22 @@ class SavedTensors:
             known = self.saved.get(storage._cdata)
             if known is None or known[0]() is None:  # new, or a freed storage's address reused
                 module = self.stack[-1] if self.stack else "(outside modules)"
-                self.saved[storage._cdata] = (weakref.ref(storage), storage.nbytes(), module)
+                copy = _is_cast_parameter(tensor)
+                if copy:
+                    self.weight_copy_dtypes.add(tensor.dtype)
+                self.saved[storage._cdata] = (weakref.ref(storage), storage.nbytes(), module, copy)
         return tensor
 
     def _count_alive(self) -> None:
-        for reference, size, module in self.saved.values():
-            if reference() is not None:
+        for reference, size, module, copy in self.saved.values():
+            storage = reference()
+            if storage is not None:
                 self.bytes += size
+                self.weight_copies += size if copy else 0
                 self.by_module[module] += size
+                serial = self.tracker.live.get(storage._cdata) if self.tracker is not None else None
+                if serial is not None:
+                    self.serials.add(serial[2])
         self.saved.clear()
 
     @contextlib.contextmanager

@@ -16,7 +16,7 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -216,6 +216,8 @@ class MeasuredStep:
     model: nn.Module
     batch: Batch
     step: TrainStep
+    gradient_serials: set = field(default_factory=set, init=False)  # the tracker's serials of the gradients
+    at_peak: dict[str, int] = field(default_factory=dict, init=False)  # bytes of each part alive at the peak
 
     def run(self, tracker: LiveTensors | None = None, saved: SavedTensors | None = None) -> int:
         """Forward, backward, optimizer step, zero_grad; returns the gradients' bytes."""
@@ -226,7 +228,11 @@ class MeasuredStep:
         mark("backward")
         self.step.backward(loss)
         del loss  # frees the graph's last references before the optimizer step, as in fit
-        grads = storage_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+        gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = storage_bytes(gradients)
+        if tracker is not None:
+            self.gradient_serials = {tracker.serial_of(gradient) for gradient in gradients}
+        del gradients  # zero_grad(set_to_none=True) must free them, as in fit
         mark("optimizer step")
         self.step.step()
         return grads
@@ -251,17 +257,29 @@ class MeasuredStep:
     def measure(self, tracker: LiveTensors) -> tuple[int, int, SavedTensors]:
         """The steady-state step: returns (gradient bytes, optimizer-state bytes, saved tensors)."""
         resident = [*self.model.parameters(), *self.model.buffers()]
-        saved = SavedTensors(self.model, {storage_of(t)._cdata for t in resident if storage_of(t) is not None})
+        exclude = {storage_of(t)._cdata for t in resident if storage_of(t) is not None}
+        saved = SavedTensors(self.model, exclude, tracker)
         optimizer = self.step.optimizer
         with tracker:
             grads_before = [p.grad for p in self.model.parameters() if p.grad is not None]  # set_to_none=False
             tracker.add([*resident, *optimizer_tensors(optimizer), *self.batch.tensors(), *grads_before])
             del grads_before
             grads = self.run(tracker, saved)
+            owners = {  # what each storage alive now is, by its serial (the sets do not overlap)
+                "parameters": {tracker.serial_of(tensor) for tensor in resident},
+                "gradients": self.gradient_serials,
+                "optimizer state": {tracker.serial_of(tensor) for tensor in optimizer_tensors(optimizer)},
+                "saved activations": saved.serials,
+            }
+        self.at_peak = _parts_at_peak(tracker.at_peak, owners)
         return grads, storage_bytes(optimizer_tensors(optimizer)), saved
 
     def result(self, tracker, grads, optimizer_state, saved, **fields) -> MemoryBreakdown:
+        copy_dtypes = sorted(str(dtype).removeprefix("torch.") for dtype in saved.weight_copy_dtypes)
         return MemoryBreakdown(
+            at_peak=self.at_peak,
+            saved_weight_copies=saved.weight_copies,
+            weight_copy_dtype="/".join(copy_dtypes) or None,
             batch_size=self.batch.size,
             params=storage_bytes(self.model.parameters()),
             buffers=storage_bytes(self.model.buffers()),
@@ -274,6 +292,16 @@ class MeasuredStep:
             phases=list(tracker.phase_starts),
             **fields,
         )
+
+
+def _parts_at_peak(alive: dict[int, int], owners: dict[str, set[int]]) -> dict[str, int]:
+    """Bytes of each part among the storages alive at the peak (serial -> bytes); the rest is "other"."""
+    parts = dict.fromkeys(owners, 0)
+    for serial, size in alive.items():
+        part = next((name for name, serials in owners.items() if serial in serials), None)
+        if part is not None:
+            parts[part] += size
+    return parts
 
 
 def _cublas_workspace_bytes() -> int:

@@ -18,9 +18,17 @@ class MemoryBreakdown:
     params, buffers, grads, optimizer_state:  what the model and optimizer keep.
     activations:  bytes saved for backward in the forward pass (autocast's low-precision
                   weight copies included), each storage once.
-    total:        the peak during the step; `other` is what the parts above (and `workspace`)
-                  do not explain (temporaries, the input batch).
-                  It is negative when gradients and saved activations never all lived at once.
+    saved_weight_copies: of `activations`, the bytes of parameters cast to another dtype
+                  (`weight_copy_dtype`): under bf16-mixed or fp16-mixed, autocast's copy of each fp32
+                  weight that a convolution or matrix product saves. They do not grow with the batch.
+    total:        the peak during the step.
+    at_peak:      bytes of parameters (and buffers), gradients, optimizer state and saved activations
+                  alive at the moment of the peak: `parts()` shows these, and `other` is the rest of the
+                  peak (temporaries such as the gradient flowing back or the optimizer's, the input batch,
+                  activations recomputed by activation checkpointing),
+                  never negative. Gradients and saved activations need not all be alive at the peak:
+                  backward frees activations while it makes gradients, and at a peak in the optimizer
+                  step every saved activation is gone (checkpointing cannot lower that peak).
     workspace:    measured on CUDA only (a property): memory held only inside an operator, the
                   peak minus the allocator's highest count after any operator. It is the scratch
                   space libraries take from the caching allocator for one call and free before
@@ -57,6 +65,9 @@ class MemoryBreakdown:
     phases: list[tuple[str, int]] = field(default_factory=list, repr=False)
     allocated_timeline: list[int] = field(default_factory=list, repr=False)
     allocator_slack: int | None = None
+    at_peak: dict[str, int] = field(default_factory=dict)
+    saved_weight_copies: int = 0
+    weight_copy_dtype: str | None = None
 
     @property
     def workspace(self) -> int | None:
@@ -78,19 +89,31 @@ class MemoryBreakdown:
         return self.timeline[starts["backward"] - 1] - before
 
     @property
-    def other(self) -> int:
-        known = self.params + self.buffers + self.grads + self.optimizer_state + self.activations
-        return self.total - known - (self.workspace or 0)
+    def phase_peaks(self) -> dict[str, int]:
+        """The most bytes alive after any operator of each phase (forward, backward, optimizer step)."""
+        ends = [start for _, start in self.phases[1:]] + [len(self.timeline)]
+        return {name: max(self.timeline[start:end]) for (name, start), end in zip(self.phases, ends) if end > start}
 
-    def parts(self) -> dict[str, int]:
-        """The stacked categories, in bytes (the workspace and the allocator cache only where measured)."""
-        parts = {
+    def _known_at_peak(self) -> dict[str, int]:
+        if self.at_peak:
+            return self.at_peak
+        # Without a record of the peak (a breakdown made by hand): every part whole, as if all alive at once.
+        return {
             "parameters": self.params + self.buffers,
             "gradients": self.grads,
             "optimizer state": self.optimizer_state,
             "saved activations": self.activations,
-            "other": self.other,
         }
+
+    @property
+    def other(self) -> int:
+        """Bytes of the peak that no part alive at the peak (nor the workspace) explains."""
+        return self.total - sum(self._known_at_peak().values()) - (self.workspace or 0)
+
+    def parts(self) -> dict[str, int]:
+        """The stacked categories alive at the peak, in bytes, which add up to it (the workspace and the
+        allocator cache only where measured)."""
+        parts = self._known_at_peak() | {"other": self.other}
         if self.workspace is not None:
             parts["workspace (inside operators)"] = self.workspace
         if self.allocator_cache is not None:
@@ -104,15 +127,46 @@ class MemoryBreakdown:
         row |= {f"{name} (MiB)": value / mib for name, value in self.parts().items()}
         return row | {"peak (MiB)": self.total / mib}
 
+    def notes(self) -> list[str]:
+        """A line for each thing in this breakdown that surprises, said only where it applies."""
+        notes = []
+        peaks = self.phase_peaks
+        if self.peak_phase == "optimizer step" and self.activations:
+            before = max(peaks.get("forward", 0), peaks.get("backward", 0))
+            freed = self.activations - self._known_at_peak()["saved activations"]
+            notes.append(
+                f"The peak is in the optimizer step, after backward freed {format_bytes(freed)} of the "
+                f"{format_bytes(self.activations)} saved for backward: activation checkpointing or a smaller batch "
+                f"cannot lower it (the forward and backward peak at {format_bytes(before)}); 'other' is what else is "
+                "alive then, the optimizer's temporaries."
+            )
+        if self.saved_weight_copies:
+            copies, rest = (
+                format_bytes(self.saved_weight_copies),
+                format_bytes(self.activations - self.saved_weight_copies),
+            )
+            cast_by = (
+                "autocast casts each fp32 weight" if self.precision.endswith("-mixed") else "the model casts weights"
+            )
+            notes.append(
+                f"{copies} of the {format_bytes(self.activations)} saved for backward are {self.weight_copy_dtype} "
+                f"copies of weights: {cast_by} for its convolution or matrix product, which saves the copy for "
+                f"backward. They do not grow with the batch; the activations themselves are {rest}."
+            )
+        return notes
+
     def table(self) -> Table:
         parts = self.parts() | {"peak during the step": self.total}
         rows = [
             {"part": name, "bytes": value, "size": format_bytes(value), "% of peak": 100 * value / max(self.total, 1)}
             for name, value in parts.items()
         ]
+        when = f" at its peak (in the {self.peak_phase})" if self.at_peak and self.peak_phase else ""
         return Table(
             rows,
-            title=f"one training step, batch {self.batch_size}, {self.precision}, {self.optimizer} ({self.source})",
+            title=f"one training step{when}, batch {self.batch_size}, {self.precision}, {self.optimizer} "
+            f"({self.source})",
+            notes=self.notes(),
         )
 
     def largest_layers(self, count: int = 5) -> Table:
@@ -153,8 +207,8 @@ _COLOURS = {
 def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], title: str = "where training memory goes"):
     """Stacked bars, one per breakdown; a black line marks each step's peak.
 
-    A negative "other" (gradients and activations never all alive at once) is not drawn: the
-    peak line then lies below the top of the stack.
+    The parts are those alive at the peak, so the stack reaches the peak line (a breakdown without a
+    record of its peak shows every part whole, and a negative "other" is then not drawn).
     """
     import matplotlib.pyplot as plt
 

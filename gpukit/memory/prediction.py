@@ -100,6 +100,8 @@ def predict(
         tracker = LiveTensors(simulated.type, CUDA_BLOCK if target.type == "cuda" else 1)
         grads, optimizer_state, saved = measured.measure(tracker)
         source = f"predicted with fake tensors on {simulated.type.upper()}"
+        if target.type == "cpu":  # oneDNN's convolution backward took 4 weights' bytes per thread at 1×1 and 2×2 inputs
+            source += "; scratch memory held only inside an operator not included"
         if target.type == "cuda":
             source += " for CUDA (blocks of 512 bytes; cuDNN/cuBLAS workspaces and cuDNN RNN reserves not included)"
         return measured.result(

@@ -76,8 +76,7 @@ def strict_nbval(*notebooks: Path, cwd: Path, options: tuple[str, ...] = ()) -> 
         "pytest",
         "--nbval",
         "--nbval-current-env",
-        "--nbval-sanitize-with",
-        str(nbval.sanitize_path()),
+        f"--nbval-sanitize-with={nbval.sanitize_path()}",
         f"--nbval-cell-timeout={CELL_TIMEOUT}",
         "-p",
         "no:cacheprovider",
@@ -206,3 +205,36 @@ def test_each_plot_is_shown_once_however_the_cell_ends_and_strict_nbval_agrees(t
     # nbval runs cells outside IPython's history, where a trailing `;` hides nothing: the same outputs regardless.
     result = strict_nbval(recorded, cwd=tmp_path, options=("-rf",))
     assert result.returncode == 0 and f"{len(sources)} passed" in result.stdout, result.stdout[-6000:]
+
+
+def documented_command() -> str:
+    """The strict nbval command docs/nbval.md gives (its bash block's pytest line, continuation lines joined)."""
+    block = re.search(r"```bash\n(.*?)```", (REPO_ROOT / "docs" / "nbval.md").read_text(), re.S)[1]
+    return next(line for line in block.replace("\\\n", " ").splitlines() if " -m pytest " in line).strip()
+
+
+@pytest.mark.slow
+def test_the_documented_command_runs_with_your_projects_pytest_settings(tmp_path):
+    """docs/nbval.md's command, run as written in a project of your own: pytest takes its rootdir and settings
+    from your project, not from where gpukit is installed (a clone's pyproject.toml, with the kit's testpaths)."""
+    command = documented_command()
+    assert "my_notebook.ipynb" in command and "nbval-sanitize-path" in command, command
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-p no:cacheprovider"\n')
+    cell = nbformat.v4.new_code_cell("print('hello')", execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hello\n")]  # recorded
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "my_notebook.ipynb")
+    bin_folder = tmp_path / "bin"  # `python` in the command is this environment's
+    bin_folder.mkdir()
+    (bin_folder / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_folder / "python").chmod(0o755)
+    environment = os.environ | {
+        "PATH": f"{bin_folder}{os.pathsep}{os.environ['PATH']}",
+        # gpukit from this checkout: its sanitize file lies inside a folder with gpukit's own pyproject.toml
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    assert (nbval.sanitize_path().parent.parent / "pyproject.toml").is_file()
+    result = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert f"rootdir: {tmp_path}\n" in result.stdout, result.stdout[-3000:]  # space form: rootdir was the kit's
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]

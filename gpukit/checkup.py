@@ -386,11 +386,23 @@ def _nccl_version() -> str | None:
         return None  # torch built without NCCL (CPU-only, macOS, Windows)
 
 
+# Where NVIDIA's Linux driver shows itself: its /proc folder and the device files it creates. (nvidia-smi on PATH,
+# which comes with the driver, is the other sign; on Windows the driver puts it there too.)
+NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0")
+
+
+def nvidia_gpu_may_be_present() -> bool:
+    """True where an NVIDIA driver shows itself (its files, or nvidia-smi on PATH): where NVML could see a GPU."""
+    return any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS) or shutil.which("nvidia-smi") is not None
+
+
 def _nvml_facts() -> dict:
     """Driver and per-GPU facts from NVML, as Report fields. Never raises for a missing driver."""
     try:
         import pynvml  # from the nvidia-ml-py package (extra "gpu")
     except ImportError:
+        if not nvidia_gpu_may_be_present():  # a laptop, a Mac, a CPU server: nothing to install
+            return {"nvml": "not installed (not needed: no NVIDIA driver here)"}
         return {"nvml": "not installed (pip install nvidia-ml-py for GPU telemetry)"}
     try:
         pynvml.nvmlInit()

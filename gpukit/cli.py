@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "nbval-sanitize-path",
         help="print the path of gpukit's sanitize file for strict nbval (--nbval-sanitize-with)",
         description="Print the path of the sanitize file that masks gpukit's run-to-run figures (times, "
-        "throughputs, memory, progress bars) for `pytest --nbval --nbval-sanitize-with PATH`.",
+        "throughputs, memory, progress bars) for `pytest --nbval --nbval-sanitize-with=PATH`.",
     )
     sanitize.set_defaults(handler=lambda args: print(nbval.sanitize_path()))
     return parser

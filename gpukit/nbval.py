@@ -1,6 +1,6 @@
 """Your own notebooks under nbval: the sanitize file gpukit ships for strict output comparison.
 
-    pytest --nbval --nbval-sanitize-with "$(python -m gpukit nbval-sanitize-path)" my_notebooks/
+    pytest --nbval --nbval-sanitize-with="$(python -m gpukit nbval-sanitize-path)" my_notebooks/
 
 masks what changes from run to run in gpukit's outputs (times, throughputs, memory sizes,
 percentages, progress bars, GPU names, temporary paths), so that strict nbval compares the rest.

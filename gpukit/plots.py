@@ -1,15 +1,18 @@
 """Matplotlib figures for the lessons. Each function returns the Figure it drew (`compare` also
-returns a table)."""
+returns a table), a gpukit.figures.Figure: in a notebook it is shown exactly once, whether the cell ends
+with the call, with the call and `;`, or with plt.show() (changes made to it before then included)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from . import runfile
 from .report import Table
 
 __all__ = [
+    "Comparison",
     "compare",
     "plot_bars",
     "plot_curves",
@@ -23,9 +26,9 @@ __all__ = [
 
 
 def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.5):
-    import matplotlib.pyplot as plt
+    from .figures import subplots
 
-    figure, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    figure, axes = subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
     return figure, list(axes[0])
 
 
@@ -67,6 +70,19 @@ def plot_history(history, title: str | None = None):
     return figure
 
 
+class Comparison(NamedTuple):
+    """What `compare` returns: unpack it, `figure, table = gk.plots.compare(runs)`.
+
+    Ending a cell with it shows the figure, once (as the call followed by `;` does); `display(table)` shows the
+    table. (Showing the table too would make the two endings differ: nbval ignores a trailing `;`.)"""
+
+    figure: Any  # a gpukit.figures.Figure
+    table: Table
+
+    def _ipython_display_(self) -> None:
+        self.figure._ipython_display_()
+
+
 def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[str] | None = None):
     """Several runs side by side: learning curves on shared axes, and a table of what they reached.
 
@@ -75,8 +91,8 @@ def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[st
     labels: a name per run; default the saved file's name (runs/fp32.json → "fp32"), else "run 1", …
     metrics: per-epoch quantities drawn beside the loss, named without train_/eval_ (e.g.
         ["accuracy"], ["mae"]); default every one some run has. Training is dashed, held-out solid.
-    Returns (figure, table): the training loss per logged step and one panel per metric per epoch;
-    a gk.Table with one row per run of its final values, throughput and wall time (History.summary()).
+    Returns a Comparison (figure, table): the training loss per logged step and one panel per metric per
+    epoch; a gk.Table with one row per run of its final values, throughput and wall time (History.summary()).
     """
 
     if isinstance(histories, Mapping):
@@ -139,7 +155,7 @@ def compare(histories, labels: Sequence[str] | None = None, metrics: Sequence[st
         axis.legend(fontsize="small")
     figure.tight_layout()
     rows = [{"run": label} | summary for label, (*_, summary) in zip(labels, runs)]
-    return figure, Table(rows, title="final values, throughput and wall time (seconds)")
+    return Comparison(figure, Table(rows, title="final values, throughput and wall time (seconds)"))
 
 
 def _as_run(item) -> tuple[str | None, list[dict], list[dict], dict]:
@@ -231,9 +247,9 @@ def show_images(images, labels, classes: Sequence[str], count: int = 16, mean=No
         images = (images.clamp(0, 1) * 255).to(torch.uint8)
     columns = min(8, len(images))
     rows = math.ceil(len(images) / columns)
-    import matplotlib.pyplot as plt
+    from .figures import subplots
 
-    figure, axes = plt.subplots(rows, columns, figsize=(1.3 * columns, 1.5 * rows), squeeze=False)
+    figure, axes = subplots(rows, columns, figsize=(1.3 * columns, 1.5 * rows), squeeze=False)
     for axis in axes.flat:
         axis.axis("off")
     for axis, image, label in zip(axes.flat, images, labels[:count]):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gpukit
-from gpukit import env
+from gpukit import checkup, env
 from gpukit.checkup import GPUProcess, GPUStatus, Report, collect, warnings
 from gpukit.hardware.clocks import clock_reasons
 
@@ -333,3 +333,23 @@ def test_an_oversubscribed_two_core_machine_is_reported():
 
 def test_a_report_without_a_load_average_warns_of_no_load():
     assert warnings(clean_report(load=None)) == []
+
+
+@pytest.mark.parametrize("present", ["/proc/driver/nvidia", "/dev/nvidiactl", "nvidia-smi", None])
+def test_nvidia_ml_py_is_suggested_only_where_an_nvidia_gpu_could_be(monkeypatch, tmp_path, present):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed: importing it fails
+    signs = {"/proc/driver/nvidia": tmp_path / "proc_driver_nvidia", "/dev/nvidiactl": tmp_path / "dev_nvidiactl"}
+    monkeypatch.setattr(checkup, "NVIDIA_DRIVER_PATHS", tuple(map(str, signs.values())))
+    bin_folder = tmp_path / "bin"  # PATH holds only this folder: nvidia-smi is found only if put there
+    bin_folder.mkdir()
+    monkeypatch.setenv("PATH", str(bin_folder))
+    if present == "nvidia-smi":
+        (bin_folder / "nvidia-smi").write_text("#!/bin/sh\n")
+        (bin_folder / "nvidia-smi").chmod(0o755)
+    elif present is not None:
+        signs[present].mkdir()
+    nvml = checkup._nvml_facts()["nvml"]
+    if present is None:  # a laptop, a Mac, a CPU server: nothing to install
+        assert "not installed" in nvml and "nvidia-ml-py" not in nvml and "no NVIDIA" in nvml, nvml
+    else:
+        assert "pip install nvidia-ml-py" in nvml, nvml

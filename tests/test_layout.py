@@ -32,6 +32,7 @@ LAYERS = [
         "gpukit.nbval_outputs",
         "gpukit.jupyter",
         "gpukit.shipped",
+        "gpukit.figures",  # matplotlib only: the Figure every plot returns
     },
     {
         "gpukit.data",

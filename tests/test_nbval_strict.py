@@ -76,8 +76,7 @@ def strict_nbval(*notebooks: Path, cwd: Path, options: tuple[str, ...] = ()) -> 
         "pytest",
         "--nbval",
         "--nbval-current-env",
-        "--nbval-sanitize-with",
-        str(nbval.sanitize_path()),
+        f"--nbval-sanitize-with={nbval.sanitize_path()}",
         f"--nbval-cell-timeout={CELL_TIMEOUT}",
         "-p",
         "no:cacheprovider",
@@ -90,22 +89,28 @@ def strict_nbval(*notebooks: Path, cwd: Path, options: tuple[str, ...] = ()) -> 
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
 
 
+def record(notebook, path: Path):
+    """Run `notebook` once in a fresh kernel of this Python, as `jupyter nbconvert --execute` does (cells kept in
+    IPython's history), and write it with its outputs to `path`. Returns `path`."""
+    from jupyter_client import KernelManager
+    from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
+
+    kernel = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager())
+    client = nbclient.NotebookClient(
+        notebook, km=kernel, timeout=CELL_TIMEOUT, resources={"metadata": {"path": str(path.parent)}}
+    )
+    client.execute()  # fills in the outputs
+    nbformat.write(notebook, path)
+    return path
+
+
 @pytest.mark.slow
 def test_a_lesson_passes_strict_nbval_twice_in_a_row(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")  # the kernels inherit this environment
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    from jupyter_client import KernelManager
-    from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
 
     # 1. Record: run the committed lesson once (as nbconvert --execute does) and keep its outputs.
-    recorded = tmp_path / LESSON.name
-    notebook = nbformat.read(LESSON, as_version=4)
-    kernel = KernelManager(kernel_name=CURRENT_ENV_KERNEL_NAME, kernel_spec_manager=NbvalKernelspecManager())
-    client = nbclient.NotebookClient(
-        notebook, km=kernel, timeout=CELL_TIMEOUT, resources={"metadata": {"path": str(tmp_path)}}
-    )
-    client.execute()  # fills in the outputs
-    nbformat.write(notebook, recorded)
+    recorded = record(nbformat.read(LESSON, as_version=4), tmp_path / LESSON.name)
 
     # 2. Strict nbval twice in a row against the recording, both green; and, to show it is strict, a third copy
     # of the setup cell alone, whose recorded output differs in words (not in figures): that one fails.
@@ -130,3 +135,106 @@ def test_a_lesson_passes_strict_nbval_twice_in_a_row(tmp_path, monkeypatch):
     assert (int(summary[1]), int(summary[2])) == (1, 2 * code_cells), result.stdout[-6000:]  # both runs green
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and "tampered" in failed[0], failed
+
+
+# Every way a cell can end with one of gpukit's plots (issue 31): the call, the call and `;`, plt.show() after it, a
+# figure changed after the call, display() of a closed one; and plots from each module that draws one.
+SETUP = """\
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import display
+import gpukit as gk
+
+timing = {"step_time": 0.1, "samples_per_second": 320.0}
+first = gk.History(steps=[{"step": 1, "loss": 2.0} | timing, {"step": 2, "loss": 1.0} | timing],
+                   epochs=[{"epoch": 1, "train_loss": 1.5, "train_accuracy": 0.4}])
+second = gk.History(steps=[{"step": 1, "loss": 2.5} | timing, {"step": 2, "loss": 1.5} | timing],
+                    epochs=[{"epoch": 1, "train_loss": 2.0, "train_accuracy": 0.3}])
+images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+"""
+PLOT_CELLS = {  # source: text that the one figure's text/plain must hold ("" for any)
+    "first.plot()": "",
+    "first.plot();": "",
+    "first.plot()\nplt.show()": "",
+    "figure = gk.plots.plot_bars({'a': 1.0, 'b': 2.0}, ylabel='x')\nfigure.set_size_inches(3, 2)\nplt.show()": "300x200",
+    "figure = first.plot()\nplt.close(figure)\ndisplay(figure)": "",
+    "gk.plots.show_images(images, [0, 1, 0, 1], ['circle', 'square'], count=4)": "",
+    "gk.plots.show_images(images, [0, 1, 0, 1], ['circle', 'square'], count=4);": "",
+    "gk.plots.compare([first, second])": "",
+    "gk.plots.compare([first, second]);": "",
+    "figure, table = gk.plots.compare([first, second])\nplt.show()": "",
+    "gk.memory.plot_memory_timeline([1, 3, 2])": "",
+    "gk.data.plot_sweep(gk.Table([{'num_workers': 0, 'prefetch_factor': None, 'samples_per_second': 9.0}]));": "",
+}
+
+
+def test_every_figure_gpukit_draws_is_a_figure_shown_once():
+    """Each plotting function makes its figure with gpukit.figures.subplots (the Figure the notebook test below
+    shows once), none with pyplot's own: a new plot elsewhere would bring back the double image."""
+    made_by_pyplot = [
+        f"{path.relative_to(REPO_ROOT)}:{number}"
+        for path in sorted((REPO_ROOT / "gpukit").rglob("*.py"))
+        if path.name != "figures.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\b(plt|pyplot)\.(subplots|figure|subplot_mosaic)\(|\bFigure\(", line)
+    ]
+    assert not made_by_pyplot, made_by_pyplot
+    history = gk.History(steps=[{"step": 1, "loss": 1.0, "step_time": 0.1, "samples_per_second": 9.0}])
+    from gpukit.figures import Figure
+
+    for figure in (history.plot(), gk.plots.compare([history, history]).figure, gk.memory.plot_memory_timeline([1])):
+        assert isinstance(figure, Figure)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+@pytest.mark.slow
+def test_each_plot_is_shown_once_however_the_cell_ends_and_strict_nbval_agrees(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Jupyter
+    sources = [SETUP, *PLOT_CELLS]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in sources])
+    recorded = record(notebook, tmp_path / "plots.ipynb")
+
+    cells = nbformat.read(recorded, as_version=4).cells[1:]
+    for cell, expected in zip(cells, PLOT_CELLS.values()):
+        shown = [output for output in cell.outputs if "image/png" in output.get("data", {})]
+        assert len(shown) == 1, (cell.source, [(o.output_type, list(o.get("data", o))) for o in cell.outputs])
+        assert expected in shown[0]["data"]["text/plain"], (cell.source, shown[0]["data"]["text/plain"])
+    # nbval runs cells outside IPython's history, where a trailing `;` hides nothing: the same outputs regardless.
+    result = strict_nbval(recorded, cwd=tmp_path, options=("-rf",))
+    assert result.returncode == 0 and f"{len(sources)} passed" in result.stdout, result.stdout[-6000:]
+
+
+def documented_command() -> str:
+    """The strict nbval command docs/nbval.md gives (its bash block's pytest line, continuation lines joined)."""
+    block = re.search(r"```bash\n(.*?)```", (REPO_ROOT / "docs" / "nbval.md").read_text(), re.S)[1]
+    return next(line for line in block.replace("\\\n", " ").splitlines() if " -m pytest " in line).strip()
+
+
+@pytest.mark.slow
+def test_the_documented_command_runs_with_your_projects_pytest_settings(tmp_path):
+    """docs/nbval.md's command, run as written in a project of your own: pytest takes its rootdir and settings
+    from your project, not from where gpukit is installed (a clone's pyproject.toml, with the kit's testpaths)."""
+    command = documented_command()
+    assert "my_notebook.ipynb" in command and "nbval-sanitize-path" in command, command
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-p no:cacheprovider"\n')
+    cell = nbformat.v4.new_code_cell("print('hello')", execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hello\n")]  # recorded
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "my_notebook.ipynb")
+    bin_folder = tmp_path / "bin"  # `python` in the command is this environment's
+    bin_folder.mkdir()
+    (bin_folder / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_folder / "python").chmod(0o755)
+    environment = os.environ | {
+        "PATH": f"{bin_folder}{os.pathsep}{os.environ['PATH']}",
+        # gpukit from this checkout: its sanitize file lies inside a folder with gpukit's own pyproject.toml
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    assert (nbval.sanitize_path().parent.parent / "pyproject.toml").is_file()
+    result = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert f"rootdir: {tmp_path}\n" in result.stdout, result.stdout[-3000:]  # space form: rootdir was the kit's
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]

@@ -98,3 +98,13 @@ def test_every_section_with_code_ends_with_a_check(path):
     assert not unchecked, (
         f"{path.name}: end these sections with an assert cell that checks what they measured: {unchecked}"
     )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_temporary_folder_a_lesson_makes_is_removed_by_a_later_cell(path):
+    """A lesson run leaves nothing in /tmp: each `name = Path(tempfile.mkdtemp(...))` has a later `shutil.rmtree(name`."""
+    sources = ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"] if cell["cell_type"] == "code"]
+    for index, source in enumerate(sources):
+        for name in re.findall(r"^\s*(\w+) = Path\(tempfile\.mkdtemp\(", source, re.MULTILINE):
+            later = "\n".join(sources[index + 1 :])
+            assert f"shutil.rmtree({name}" in later, f"{path.name}: no later cell removes {name} (tempfile.mkdtemp)"

@@ -680,8 +680,11 @@ def test_empty_dataset_and_too_big_batch(small_data, device):
     train, _ = small_data
     with pytest.raises(ValueError, match="empty"):
         gk.fit(gk.models.fast_cnn(4), train.subset(0), batch_size=32, progress=False, device=device)
-    with pytest.raises(ValueError, match="no batch"):
-        gk.fit(gk.models.fast_cnn(4), train.subset(10), batch_size=32, progress=False, device=device)
+    with pytest.raises(ValueError, match="no batch"):  # one image: a batch of one is left out (BatchNorm)
+        gk.fit(gk.models.fast_cnn(4), train.subset(1), batch_size=32, progress=False, device=device)
+    # Fewer images than one batch: one partial batch a step (it was "no batch" when fit dropped partial batches).
+    history = gk.fit(gk.models.fast_cnn(4), train.subset(10), batch_size=32, log_every=1, progress=False, device=device)
+    assert [row["step"] for row in history.steps] == [1]
     with pytest.raises(ValueError, match="empty"):
         gk.fit(
             gk.models.fast_cnn(4), TensorDataset(torch.zeros(0, 3, 32, 32), torch.zeros(0)), batch_size=4, device=device
@@ -814,3 +817,48 @@ def test_the_old_knobs_warn_and_train_as_their_new_names(kind, small_data, corpu
     for bad in (float("nan"), -0.1):
         with pytest.raises(ValueError, match="warmup must be a number >= 0"):
             gk.fit(make(), data, warmup=bad, **common)
+
+
+def _partial_batch_data(form: str, size: int):
+    """`size` samples as a Dataset fit turns into a loader: a TensorDataset (a DataLoader), shapes images (the
+    DeviceLoader) or byte tokens (the TextLoader)."""
+    generator = torch.Generator().manual_seed(0)
+    if form == "tensors":
+        return torch.utils.data.TensorDataset(torch.randn(size, 5, generator=generator), torch.randint(0, 3, (size,)))
+    if form == "images":
+        return gk.data.shapes(size, 0, seed=1)[0]
+    return gk.data.TokenDataset(torch.randint(0, 256, (size * 8 + 1,), generator=generator, dtype=torch.uint8), 8)
+
+
+def _partial_batch_model(form: str) -> nn.Module:
+    if form == "tensors":
+        return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    if form == "images":
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10))
+    return nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))
+
+
+@pytest.mark.parametrize("form", ["tensors", "images", "tokens"])
+def test_fit_keeps_a_last_partial_batch_of_a_dataset(form, device):
+    """150 samples at batch 32: 4 full batches and one of 22, as a hand-written DataLoader loop trains; a last
+    batch of a single sample (161 at 32) is left out, since BatchNorm cannot train on one."""
+    for size, steps, seen in ((150, 5, 150), (161, 5, 160)):
+        torch.manual_seed(0)
+        model = _partial_batch_model(form)
+        sizes = []
+        model[0].register_forward_pre_hook(
+            lambda module, inputs, sizes=sizes: sizes.append(len(inputs[0])) if module.training else None
+        )
+        history = gk.fit(
+            model,
+            _partial_batch_data(form, size),
+            batch_size=32,
+            epochs=2,
+            log_every=1,
+            lr=0.01,
+            device=device,
+            progress=False,
+        )
+        assert [row["step"] for row in history.steps] == list(range(1, 2 * steps + 1)), (size, history.steps)
+        assert sizes == 2 * ([32] * 4 + [seen - 128]), (size, sizes)
+        assert history.micro_batch_size == 32 and history.global_batch_size == 32

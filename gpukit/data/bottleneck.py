@@ -401,9 +401,9 @@ def sweep(
 
 def plot_sweep(table: Table, title: str = "DataLoader throughput"):
     """samples/s against num_workers, one line per prefetch_factor."""
-    import matplotlib.pyplot as plt
+    from ..figures import subplots
 
-    figure, axes = plt.subplots(figsize=(5, 3.5))
+    figure, axes = subplots(figsize=(5, 3.5))
     rows = table.rows
     factors = sorted({row["prefetch_factor"] for row in rows if row["prefetch_factor"] is not None})
     baseline = [row for row in rows if row["prefetch_factor"] is None]

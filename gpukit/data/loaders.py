@@ -239,27 +239,48 @@ def loader_for(
     rank's share), an IterableDataset a plain DataLoader, any other Dataset a DataLoader: shuffled from
     `seed`, with a DistributedSampler when world_size > 1, in page-locked memory for a CUDA device.
     `options` go to the DataLoader (num_workers, collate_fn, ...).
+
+    Every sample is used: a last partial batch is kept (150 samples at batch_size 32: batches of 32, 32, 32, 32
+    and 22), as a hand-written DataLoader loop does. Only a last batch of one sample per rank is left out when
+    shuffling (training; evaluation keeps it): BatchNorm cannot train on one ("Expected more than 1 value per
+    channel"). With several ranks, each gets an equal share (up to world_size - 1 samples left out, as before).
     """
     device = resolve_device(device)
     shard = {"rank": rank, "world_size": world_size}
-    if isinstance(dataset, ImageDataset):
-        return DeviceLoader(
-            dataset, batch_size, shuffle=shuffle, device=device, channels_last=channels_last, seed=seed, **shard
-        )
-    if isinstance(dataset, TokenDataset):
-        return TextLoader(dataset, batch_size, shuffle=shuffle, device=device, seed=seed, **shard)
     pin = device.type == "cuda" if pin_memory is None else pin_memory  # the copy to the GPU can overlap compute
     if isinstance(dataset, IterableDataset):
         return DataLoader(dataset, batch_size=batch_size, pin_memory=pin, **options)
+    # Training (shuffled) leaves out a last batch of one sample per rank (BatchNorm); evaluation keeps every sample.
+    # Samples per rank: the device-resident loaders give each rank len // world_size.
+    drop_last = shuffle and _only_one_left(len(dataset) // world_size, batch_size)
+    if isinstance(dataset, ImageDataset):
+        return DeviceLoader(
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            device=device,
+            channels_last=channels_last,
+            seed=seed,
+            **shard,
+        )
+    if isinstance(dataset, TokenDataset):
+        return TextLoader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, device=device, seed=seed, **shard)
     if world_size > 1:
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
-        return DataLoader(dataset, batch_size, sampler=sampler, drop_last=shuffle, pin_memory=pin, **options)
+        drop_last = shuffle and _only_one_left(len(sampler), batch_size)
+        return DataLoader(dataset, batch_size, sampler=sampler, drop_last=drop_last, pin_memory=pin, **options)
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=shuffle,
-        drop_last=shuffle,
+        drop_last=drop_last,
         pin_memory=pin,
         generator=torch.Generator().manual_seed(seed),
         **options,
     )
+
+
+def _only_one_left(samples: int, batch_size: int) -> bool:
+    """Whether the last batch of `samples` would hold a single sample (and is to be left out: drop_last)."""
+    return samples % batch_size == 1

@@ -180,11 +180,11 @@ def _intervals(events, steps: int, device: str, path: str | None) -> Trace:
 
 def plot_trace(trace: Trace, title: str | None = None):
     """One row per phase (host: data wait, step; device: copy, compute), bars where it was busy."""
-    import matplotlib.pyplot as plt
+    from ..figures import subplots
 
     names = [name for name in ("data wait", "step", "copy", "compute") if name in trace.rows]
     colours = {"data wait": "tab:red", "step": "tab:blue", "copy": "tab:orange", "compute": "tab:green"}
-    figure, axes = plt.subplots(figsize=(9, 0.6 * len(names) + 1.2))
+    figure, axes = subplots(figsize=(9, 0.6 * len(names) + 1.2))
     for row, name in enumerate(names):
         axes.broken_barh(trace.rows[name], (row - 0.4, 0.8), color=colours[name])
     axes.set_yticks(range(len(names)), [f"{name} ({'host' if name in HOST_PHASES else 'GPU'})" for name in names])

@@ -189,10 +189,10 @@ class Plan:
 
     def plot(self):
         """Cost of the run against hours to train, one point per GPU that fits; the frontier joined."""
-        import matplotlib.pyplot as plt
+        from ..figures import subplots
 
         shown = [row for row in self.rows if row.cost is not None]
-        figure, axis = plt.subplots(figsize=(6.5, 4.5))
+        figure, axis = subplots(figsize=(6.5, 4.5))
         for row in shown:
             axis.scatter(row.hours, row.cost, color="C3" if row.pareto else "C0", zorder=3)
             axis.annotate(row.gpu, (row.hours, row.cost), textcoords="offset points", xytext=(4, 4), fontsize=8)

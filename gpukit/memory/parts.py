@@ -210,9 +210,9 @@ def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], title: str = "where 
     The parts are those alive at the peak, so the stack reaches the peak line (a breakdown without a
     record of its peak shows every part whole, and a negative "other" is then not drawn).
     """
-    import matplotlib.pyplot as plt
+    from ..figures import subplots
 
-    figure, axis = plt.subplots(figsize=(max(4.5, 1.3 * len(breakdowns) + 2.5), 4))
+    figure, axis = subplots(figsize=(max(4.5, 1.3 * len(breakdowns) + 2.5), 4))
     for position, parts in enumerate(breakdowns.values()):
         bottom = 0.0
         for part, value in parts.parts().items():
@@ -237,7 +237,7 @@ def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], title: str = "where 
 
 def plot_memory_timeline(source: MemoryBreakdown | Snapshot | Sequence[int], title: str | None = None):
     """Memory after each operator (a breakdown or estimate) or allocator event (a Snapshot)."""
-    import matplotlib.pyplot as plt
+    from ..figures import subplots
 
     phases = []
     if isinstance(source, MemoryBreakdown):
@@ -247,7 +247,7 @@ def plot_memory_timeline(source: MemoryBreakdown | Snapshot | Sequence[int], tit
         values, xlabel, default = source.timeline(), "allocation or free", "one training step: CUDA memory snapshot"
     else:
         values, xlabel, default = list(source), "event", "memory over time"
-    figure, axis = plt.subplots(figsize=(8, 3.5))
+    figure, axis = subplots(figsize=(8, 3.5))
     axis.plot([v / 2**20 for v in values], color="black", linewidth=1)
     ends = [start for _, start in phases[1:]] + [len(values)]
     for (name, start), end, colour in zip(phases, ends, ("#dbe9f6", "#fbe3d6", "#dff0d8")):

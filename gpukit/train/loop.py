@@ -99,7 +99,9 @@ def fit(
         scalar losses is summed, each logged as a column) or a Hugging Face-style object.
     epochs, max_steps: passes over the data, and an optional cap on optimizer steps (needed for
         data without len() unless the schedule is constant).
-    batch_size: the micro-batch, for a Dataset (a loader brings its own); `accumulate=k` sums
+    batch_size: the micro-batch, for a Dataset (a loader brings its own). Every sample is trained on: a last
+        partial batch is kept (150 samples at 32: 5 steps per epoch, the last of 22), except a last batch of a
+        single sample, which BatchNorm cannot train on (gk.data.loaders.loader_for). `accumulate=k` sums
         gradients over k micro-batches before each optimizer step, which equals one k-times larger
         batch for models without BatchNorm. The schedule counts optimizer steps.
     optimizer: a name from gpukit.optim.OPTIMIZERS ("nesterov": SGD with Nesterov momentum 0.9; "adamw",

@@ -93,18 +93,19 @@ class ThisPython(KernelSpecManager):
         )
 
 
-def execute(path: Path, profile: str | None = None, cell_seconds: float = CELL_SECONDS):
+def execute(
+    path: Path, profile: str | None = None, cell_seconds: float = CELL_SECONDS, variables: dict[str, str] | None = None
+):
     """The lesson at `path` executed top to bottom in a new kernel of this Python, stopping at the first error.
 
     The kernel starts in the lesson's folder (as under nbval), imports this gpukit (its folder first on
     PYTHONPATH), plots inline (MPLBACKEND is dropped: Agg would show no figure) and runs with
-    GPUKIT_PROFILE=`profile` if given. An error, a cell over `cell_seconds` (interrupted: its traceback says
+    GPUKIT_PROFILE=`profile` if given, and the environment `variables`. An error, a cell over `cell_seconds` (interrupted: its traceback says
     where) or a dead kernel is left in the notebook for `describe` to report. The kernel is shut down when the
     lesson ends, however it ends."""
     notebook = nbformat.read(path, as_version=4)
-    environment = child_environment(
-        Path(__file__).resolve().parents[1], **({"GPUKIT_PROFILE": profile} if profile else {})
-    )
+    variables = {**(variables or {}), **({"GPUKIT_PROFILE": profile} if profile else {})}
+    environment = child_environment(Path(__file__).resolve().parents[1], **variables)
     environment.pop("MPLBACKEND", None)
     kernel = KernelManager(kernel_spec_manager=ThisPython())
     client = NotebookClient(

@@ -32,14 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
 import torch
-from jupyter_client import KernelManager
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-from gpukit.gpucheck import child_environment
-from gpukit.site import ThisPython, is_check, shut_down
+from gpukit import site
+from gpukit.site import is_check
 from tests.mutations import KNOWN_SURVIVORS, MUTANTS, RECORD, Calls
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,29 +74,11 @@ def first_error(notebook) -> tuple[int, str, str, bool] | None:
 
 
 def execute(path: Path, variables: dict[str, str], cell_seconds: float) -> tuple[object, str]:
-    """`path` run in a fresh kernel of this Python with `variables` set, stopped at the first error. Returns the
-    executed notebook and why it stopped early where no cell says so (a timeout, a dead kernel), else ""."""
-    notebook = nbformat.read(path, as_version=4)
-    environment = child_environment(ROOT, **variables)
-    environment.pop("MPLBACKEND", None)
-    kernel = KernelManager(kernel_spec_manager=ThisPython())
-    client = NotebookClient(
-        notebook,
-        km=kernel,
-        timeout=cell_seconds,
-        interrupt_on_timeout=True,
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    stopped = ""
-    try:
-        client.execute(env=environment)
-    except CellExecutionError:
-        pass  # the cell holds the error
-    except (CellTimeoutError, DeadKernelError) as error:
-        stopped = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-    finally:
-        shut_down(client, kernel)
-    return notebook, stopped
+    """`path` run in a fresh kernel of this Python with `variables` set, stopped at the first error (as make site
+    runs a lesson). Returns the executed notebook and why it stopped early where no cell says so (a timeout, a dead
+    kernel), else ""."""
+    notebook = site.execute(path, cell_seconds=cell_seconds, variables=variables)
+    return notebook, notebook.metadata[site.METADATA_KEY].get("stopped", "")
 
 
 def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, str]:

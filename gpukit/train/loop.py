@@ -467,6 +467,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         epoch_batches, micro = batches(loader, run.device), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
         epoch_batches, micro = run.checkpoint.start_epoch(run, tally, window)
+    batch = None  # a resumed epoch saved at its end (a kill during its evaluation) reads no batch
     for raw in epoch_batches:
         if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
             break  # leftover micro-batches would leave gradients behind for the next step

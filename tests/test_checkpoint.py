@@ -184,3 +184,63 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
     monkeypatch.undo()
     assert torch.load(path)["value"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# Never a non-finite state over a good save (issue "Never lose or corrupt a run", 1)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def poisoned_from(call: int, loss_fn):
+    """`loss_fn`, its loss NaN from its `call`-th call on: the gradients, then the weights, become NaN there (what a
+    too-high lr does, at a step chosen here)."""
+    calls = 0
+
+    def poisoned(*args):
+        nonlocal calls
+        calls += 1
+        loss = loss_fn(*args)
+        return loss * float("nan") if calls >= call else loss
+
+    return poisoned
+
+
+KINDS = {  # model, data (4 batches an epoch), fit options
+    "mlp": (mlp, lambda: [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(4)], {}),
+    "gpt": (tiny_gpt, lambda: [(t[:, :-1], t[:, 1:]) for t in tiny_tokens()], {"optimizer": "adamw", "lr": 3e-3}),
+}
+
+
+def tiny_tokens() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (4, 17), generator=generator) for _ in range(4)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_finite_state_is_never_saved_over_a_good_one(kind, tmp_path):
+    """A finished run extended with save_every=1, whose weights become NaN at its 3rd added step: the loss is read
+    every log_every=10 steps, so the saves came first and wrote NaN over last.pt; a resume reloaded NaN."""
+    make_model, make_data, options = KINDS[kind]
+    torch.manual_seed(0)
+    data = make_data()
+    loss_fn = nn.functional.cross_entropy if kind == "mlp" else gk.step.cross_entropy
+    common = dict(progress=False, device="cpu", checkpoint_dir=tmp_path, **options)
+    model = make_model()
+    gk.fit(model, data, epochs=1, loss_fn=loss_fn, **common)  # 4 good steps, saved
+    good = read_checkpoint(tmp_path / "last.pt")
+    with pytest.warns(UserWarning, match="finished run"):
+        with pytest.raises(gk.train.NonFiniteLossError, match=r"not saved.*last good save.*step 6 \(epoch 2\)") as e:
+            gk.fit(model, data, epochs=2, loss_fn=poisoned_from(3, loss_fn), save_every=1, log_every=10, **common)
+    assert str(tmp_path / "last.pt") in str(e.value)
+    saved = read_checkpoint(tmp_path / "last.pt")
+    assert saved["step"] == 6 and good["step"] == 4  # steps 5 and 6 were finite and saved; step 7 was not
+    assert all(value.isfinite().all() for value in saved["model"].values() if value.is_floating_point())
+    # The run goes on from the last good save (here with the same, now finite, loss).
+    resumed = make_model()
+    history = gk.fit(resumed, data, epochs=2, loss_fn=loss_fn, save_every=1, **common)
+    assert [row["epoch"] for row in history.epochs] == [1, 2] and history.steps[-1]["step"] == 8
+    assert all(value.isfinite().all() for value in resumed.state_dict().values() if value.is_floating_point())

@@ -619,6 +619,7 @@ def _log(run: _Run, window: _Window, epoch: int, batch: Batch | None = None) -> 
             "lower lr, more warm-up, gradient clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss "
             "scaling if you scale by hand). The last batch read holds no NaN or inf (log_every=1 checks the batch "
             "of every step)."
+            + (f" Nothing non-finite was saved: {run.checkpoint.last_good_save()}." if run.checkpoint else "")
         )
     run.history.steps.append(row)
     run.board.add_step(row)

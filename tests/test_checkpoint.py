@@ -3,6 +3,7 @@ CNN and on a GPT; the checksum that refuses a damaged or truncated file; the ato
 a save killed mid-write leaves. Exact resume for every data form and optimizer: tests/test_resume.py."""
 
 import copy
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -244,3 +245,69 @@ def test_a_non_finite_state_is_never_saved_over_a_good_one(kind, tmp_path):
     history = gk.fit(resumed, data, epochs=2, loss_fn=loss_fn, save_every=1, **common)
     assert [row["epoch"] for row in history.epochs] == [1, 2] and history.steps[-1]["step"] == 8
     assert all(value.isfinite().all() for value in resumed.state_dict().values() if value.is_floating_point())
+
+
+# ---------------------------------------------------------------------------------------------
+# One live run per folder (issue "Never lose or corrupt a run", 2)
+
+
+class WaitingData:
+    """mlp's 4 batches, given only once `finish` is set; `started` is set when fit first reads them (it holds its
+    folder by then)."""
+
+    def __init__(self, started, finish):
+        self.started, self.finish = started, finish
+
+    def __len__(self):
+        return 4
+
+    def __iter__(self):
+        self.started.set()
+        self.finish.wait(120)
+        return iter(mlp_batches())
+
+
+def mlp_batches() -> list:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for _ in range(4)]
+
+
+def train_when_told(folder: str, started, finish) -> None:
+    torch.set_num_threads(1)
+    gk.fit(mlp(), WaitingData(started, finish), epochs=1, progress=False, device="cpu", checkpoint_dir=folder)
+
+
+def start_training_elsewhere(folder: Path):
+    """Another process (spawned, as a second notebook is) that trains in `folder` until its `finish` is set."""
+    context = multiprocessing.get_context("spawn")
+    started, finish = context.Event(), context.Event()
+    process = context.Process(target=train_when_told, args=(str(folder), started, finish))
+    process.start()
+    assert started.wait(120), "the other process did not start training"
+    return process, finish
+
+
+def test_a_folder_another_live_run_trains_in_is_refused(tmp_path):
+    """Two notebooks on one checkpoint_dir both returned without a word; the last rename won, the other run was gone."""
+    options = dict(epochs=1, progress=False, device="cpu", checkpoint_dir=tmp_path)
+    other, finish = start_training_elsewhere(tmp_path)
+    try:
+        with pytest.raises(gk.train.FolderInUseError, match=rf"checkpoint_dir {tmp_path} is in use.*{other.pid}"):
+            gk.fit(mlp(), mlp_batches(), **options)
+        assert not (tmp_path / "last.pt").exists()  # refused before any work: the other run's first save is to come
+    finally:
+        finish.set()
+        other.join(120)
+    assert other.exitcode == 0 and read_checkpoint(tmp_path / "last.pt")["step"] == 4
+    model = mlp()
+    gk.fit(model, mlp_batches(), **options)  # the folder is free again: its finished run is loaded, nothing trained
+    saved = read_checkpoint(tmp_path / "last.pt")["model"]
+    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+
+def test_a_killed_run_does_not_hold_its_folder(tmp_path):
+    other, _ = start_training_elsewhere(tmp_path)
+    other.kill()  # SIGKILL: no finally, no cleanup
+    other.join(120)
+    history = gk.fit(mlp(), mlp_batches(), epochs=1, progress=False, device="cpu", checkpoint_dir=tmp_path)
+    assert history.steps[-1]["step"] == 4 and read_checkpoint(tmp_path / "last.pt")["step"] == 4

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .. import distributed
-from ..files import remove_stale_temporaries, write_atomic
+from ..files import lock_folder, remove_stale_temporaries, write_atomic
 from .checks import NonFiniteLossError
 from .data import batches
 
@@ -359,6 +359,24 @@ class Checkpointer:
         self.epoch_start = None  # the state the current epoch's order came from (for saves within it)
         self.writer = None  # a BackgroundWriter (fit's save_in_background=True), else saves block until written
         self.last_good = None  # (epoch counted from 1, optimizer step) of the save last.pt holds, if any
+        self.release = None  # lets the folder go (lock_folder), once this run holds it
+
+    def hold(self) -> None:
+        """Take the folder for this run, or raise FolderInUseError if another live process trains in it: two runs
+        in one folder would overwrite each other's saves. The first rank holds it for the job; a killed run's hold
+        ends with its process."""
+        if distributed.is_main():
+            self.release = lock_folder(self.path.parent, "checkpoint_dir")
+
+    def let_go(self) -> None:
+        """Wait for a save in flight, then let the folder go (fit calls it however it ends)."""
+        try:
+            if self.writer is not None:
+                self.writer.wait()
+        finally:
+            release, self.release = self.release, None
+            if release is not None:
+                release()
 
     def resume(self, run, build_schedule: Callable) -> tuple[int, int]:
         """Load the saved run into `run`: (epoch, optimizer step) to go on from; (0, 0) without a checkpoint.

@@ -223,7 +223,7 @@ def fit(
         torch.manual_seed(seed + distributed.rank())
         return _train(run, epochs)
     finally:
-        options.undo()  # the last save on disk; the model without checkpointing or compiled blocks
+        run.finish(options)  # the last save on disk, the folder let go; the model without compiled blocks
 
 
 def _settings(lr, optimizer, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config) -> dict:
@@ -384,6 +384,7 @@ class _Run:
         }
         self.save_every = save_every
         self.checkpoint = Checkpointer(checkpoint_dir, plan, settings, save_every=save_every, device=self.device)
+        self.checkpoint.hold()  # refused here if another live run trains in this folder
         self.start_epoch, self.step_index = self.checkpoint.resume(self, build_schedule)
         warn_if_order_cannot_be_saved(self.loader)
         distributed.check_same(self.start_epoch, "the epoch to resume from")
@@ -398,6 +399,14 @@ class _Run:
         self.watcher = _start_monitor(monitor, self.device)
         if self.device.type == "cuda":
             watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
+
+    def finish(self, options: ModelOptions) -> None:
+        """However fit ends: the model as it came (options.undo waits for a save in flight), the folder let go."""
+        try:
+            options.undo()
+        finally:
+            if self.checkpoint is not None:
+                self.checkpoint.let_go()
 
     def close(self) -> None:
         if self.watcher is not None:

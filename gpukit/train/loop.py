@@ -174,7 +174,7 @@ def fit(
     _check_model(model)
     if fp8_config is not None:
         float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
-    check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir)
+    check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir, optimizer=optimizer)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)

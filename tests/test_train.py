@@ -814,3 +814,61 @@ def test_the_old_knobs_warn_and_train_as_their_new_names(kind, small_data, corpu
     for bad in (float("nan"), -0.1):
         with pytest.raises(ValueError, match="warmup must be a number >= 0"):
             gk.fit(make(), data, warmup=bad, **common)
+
+
+# ---------------------------------------------------------------------------------------------
+# An interrupted fit (issue "Never lose or corrupt a run", 4)
+
+
+def interrupted_at(step: int):
+    """An optimizer function (fit calls it with the parameters): SGD whose `step`-th step raises KeyboardInterrupt
+    before it updates anything, after that step's backward: its gradients are on the model then."""
+
+    def build(parameters):
+        optimizer, calls = torch.optim.SGD(parameters, lr=0.05, momentum=0.9), 0
+
+        def interrupt(*_):
+            nonlocal calls
+            calls += 1
+            if calls == step:
+                raise KeyboardInterrupt
+
+        optimizer.register_step_pre_hook(interrupt)
+        return optimizer
+
+    return build
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_an_interrupted_fit_leaves_no_gradients_and_says_how_far_it_got(kind):
+    """The gradients of the step cut short stayed on the model and went into the next fit's first step."""
+    generator = torch.Generator().manual_seed(0)
+    if kind == "mlp":
+        make_model, loss_fn = small_mlp, F.cross_entropy
+        data = [
+            (torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in "abcd"
+        ]
+    else:
+        make_model, loss_fn = tiny_gpt, gk.step.cross_entropy
+        data = [(text[:, :-1], text[:, 1:]) for text in torch.randint(0, 256, (4, 4, 17), generator=generator)]
+    options = dict(loss_fn=loss_fn, progress=False, device="cpu", epochs=1, lr=0.05)
+    model = make_model()
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        gk.fit(model, data, optimizer=interrupted_at(3), **options)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert "fit stopped in epoch 1 after optimizer step 2 of 4" in "".join(stopped.value.__notes__)
+    # The next fit equals one from the same weights in a model that never had gradients.
+    fresh = make_model()
+    fresh.load_state_dict(model.state_dict())
+
+    def optimizer(parameters):
+        return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+
+    gk.fit(model, data, optimizer=optimizer, **options)
+    gk.fit(fresh, data, optimizer=optimizer, **options)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -357,6 +357,7 @@ class _Run:
     seen_a_batch: bool = False
     seen_outputs: bool = False  # whether the model's outputs were looked at once (warn_if_scalars_ignored)
     start_epoch: int = 0
+    epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
     phase: str = "loading data"  # what an out-of-memory error is reported as happening in
     started: float = field(default_factory=time.perf_counter)
@@ -400,6 +401,15 @@ class _Run:
         if self.device.type == "cuda":
             watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
 
+    def how_far(self) -> str:
+        """Where training stopped, for the note an interrupted fit's error carries."""
+        saved = self.checkpoint.last_good_save() if self.checkpoint is not None else "no checkpoint_dir, nothing saved"
+        return (
+            f"fit stopped in epoch {self.epoch + 1} after optimizer step {self.step_index} of "
+            f"{self.total_steps or 'no end'}: the model is as of that step (the unfinished step's gradients were "
+            f"dropped); {saved}."
+        )
+
     def finish(self, options: ModelOptions) -> None:
         """However fit ends: the model as it came (options.undo waits for a save in flight), the folder let go."""
         try:
@@ -429,12 +439,14 @@ class _Run:
 def _train(run: _Run, epochs: int) -> History:
     """Every epoch; an out-of-memory error frees what the run held, then says where it ran out and what to try."""
     error = None
+    run.model.zero_grad(set_to_none=True)  # not the gradients an interrupted call (or your own loop) left
     run.model.train()
     try:
         with run.precision.flags():
             for epoch in range(run.start_epoch, epochs):
                 if run.done():
                     break
+                run.epoch = epoch
                 _end_epoch(run, epoch, *_train_epoch(run, epoch))
     except torch.OutOfMemoryError as out_of_memory:
         # Read the numbers now; keep no reference to the original error, whose traceback holds the step's tensors.
@@ -446,6 +458,10 @@ def _train(run: _Run, epochs: int) -> History:
             accumulate=run.accumulate,
             precision=run.precision.name,
         )
+    except BaseException as stopped:  # KeyboardInterrupt too: the model as of its last optimizer step, and where
+        run.model.zero_grad(set_to_none=True)  # (the unfinished step's gradients would go into the next fit's first)
+        stopped.add_note(run.how_far())
+        raise
     finally:
         run.close()
     if error is None:

@@ -872,3 +872,26 @@ def test_an_interrupted_fit_leaves_no_gradients_and_says_how_far_it_got(kind):
     gk.fit(model, data, optimizer=optimizer, **options)
     gk.fit(fresh, data, optimizer=optimizer, **options)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The same optimizer passed to fit again (issue "Never lose or corrupt a run", 5)
+
+
+def test_each_fit_with_the_same_optimizer_peaks_at_its_own_lr():
+    """Three calls with Adam(lr=1e-2) and the one-cycle schedule peaked at 0.00994, then 3.98e-08, then 1.59e-13."""
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(8)]
+    model = small_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    options = dict(optimizer=optimizer, progress=False, device="cpu", log_every=1)
+    peaks = [max(row["lr"] for row in gk.fit(model, data, **options).steps)]
+    for _ in range(2):
+        with pytest.warns(
+            UserWarning, match=r"where an earlier schedule left it.*peaks at the lr it began with \(0.01\)"
+        ):
+            peaks.append(max(row["lr"] for row in gk.fit(model, data, **options).steps))
+    assert peaks == pytest.approx([1e-2] * 3, rel=0.02)  # 8 steps: the peak step's lr is within 2% of the peak
+    # With lr= the schedule peaks there, and a linear schedule after a one-cycle one too (not at a stale initial_lr).
+    history = gk.fit(model, data, **options, lr=3e-3, schedule="linear", warmup=0)
+    assert max(row["lr"] for row in history.steps) == pytest.approx(3e-3, rel=0.15)

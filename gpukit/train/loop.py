@@ -321,9 +321,21 @@ def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.opt
     """The optimizer and the schedule's peak lr: lr, else the optimizer's own (one you built), else the name's."""
     peak_lr = lr if lr is not None else default_lr(optimizer)
     built = make_optimizer(optimizer, model, peak_lr, weight_decay)
-    if lr is not None or isinstance(optimizer, str):
-        for group in built.param_groups:
-            group["lr"] = peak_lr
+    left = [group["lr"] for group in built.param_groups]
+    for group in built.param_groups:
+        # An earlier fit's schedule left its lr at the end of its decay (OneCycleLR: 1/250,000 of the peak) and
+        # its peak in these keys: this fit's schedule starts from the optimizer's own lr again, not from the decay.
+        own = group.pop("max_lr", group.get("initial_lr", group["lr"]))
+        for key in ("initial_lr", "min_lr"):
+            group.pop(key, None)
+        group["lr"] = peak_lr if lr is not None or isinstance(optimizer, str) else own
+    if lr is None and not isinstance(optimizer, str) and left != [group["lr"] for group in built.param_groups]:
+        warnings.warn(
+            f"optimizer: its lr ({', '.join(f'{value:g}' for value in left)}) is where an earlier schedule left it; "
+            f"this fit's schedule peaks at the lr it began with ({built.param_groups[0]['lr']:g}) again. Pass lr= to "
+            "choose another.",
+            stacklevel=3,
+        )
     return built, built.param_groups[0]["lr"]
 
 

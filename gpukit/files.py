@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+try:
+    import fcntl  # POSIX: lock_folder
+except ImportError:  # Windows
+    fcntl = None
 
 
 def _temporary(path: Path) -> Path:
@@ -68,3 +75,42 @@ def save_atomic(state, path: str | Path) -> None:
     import torch
 
     write_atomic(path, lambda file: torch.save(state, file))
+
+
+class FolderInUseError(RuntimeError):
+    """Another running process holds the folder (fit's checkpoint_dir): two runs would overwrite each other."""
+
+
+def lock_folder(folder: str | Path, what: str = "folder") -> Callable[[], None] | None:
+    """Hold `folder` for this process: an exclusive lock on `folder/.gpukit.lock` (fcntl.flock), or FolderInUseError
+    naming the process that holds it. Returns the function that lets it go.
+
+    The operating system drops the lock when its process ends however it ends (SIGKILL, a crash, a closed notebook), so
+    a run that died never blocks the next one; the file itself stays (deleting it while another process waits on it
+    would let two hold it). Without fcntl (Windows) nothing is locked and None is returned.
+    """
+    if fcntl is None:  # Windows: no flock; two runs in one folder are not detected there
+        return None
+    path = Path(folder) / ".gpukit.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file = open(path, "a+")
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        owner = file.read().strip() or "another process"
+        file.close()
+        raise FolderInUseError(
+            f"{what} {folder} is in use by a run still going ({owner}): two runs in one folder overwrite each other's "
+            f"saves. Wait for it to finish (or stop it), or pass another {what} to this run."
+        ) from None
+    file.seek(0)
+    file.truncate()
+    file.write(f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    file.flush()
+
+    def release() -> None:
+        fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+        file.close()
+
+    return release

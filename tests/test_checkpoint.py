@@ -3,6 +3,7 @@ CNN and on a GPT; the checksum that refuses a damaged or truncated file; the ato
 a save killed mid-write leaves. Exact resume for every data form and optimizer: tests/test_resume.py."""
 
 import copy
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -184,3 +185,129 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
     monkeypatch.undo()
     assert torch.load(path)["value"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# Never a non-finite state over a good save (issue "Never lose or corrupt a run", 1)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def poisoned_from(call: int, loss_fn):
+    """`loss_fn`, its loss NaN from its `call`-th call on: the gradients, then the weights, become NaN there (what a
+    too-high lr does, at a step chosen here)."""
+    calls = 0
+
+    def poisoned(*args):
+        nonlocal calls
+        calls += 1
+        loss = loss_fn(*args)
+        return loss * float("nan") if calls >= call else loss
+
+    return poisoned
+
+
+KINDS = {  # model, data (4 batches an epoch), fit options
+    "mlp": (mlp, lambda: [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(4)], {}),
+    "gpt": (tiny_gpt, lambda: [(t[:, :-1], t[:, 1:]) for t in tiny_tokens()], {"optimizer": "adamw", "lr": 3e-3}),
+}
+
+
+def tiny_tokens() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (4, 17), generator=generator) for _ in range(4)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_finite_state_is_never_saved_over_a_good_one(kind, tmp_path):
+    """A finished run extended with save_every=1, whose weights become NaN at its 3rd added step: the loss is read
+    every log_every=10 steps, so the saves came first and wrote NaN over last.pt; a resume reloaded NaN."""
+    make_model, make_data, options = KINDS[kind]
+    torch.manual_seed(0)
+    data = make_data()
+    loss_fn = nn.functional.cross_entropy if kind == "mlp" else gk.step.cross_entropy
+    common = dict(progress=False, device="cpu", checkpoint_dir=tmp_path, **options)
+    model = make_model()
+    gk.fit(model, data, epochs=1, loss_fn=loss_fn, **common)  # 4 good steps, saved
+    good = read_checkpoint(tmp_path / "last.pt")
+    with pytest.warns(UserWarning, match="finished run"):
+        with pytest.raises(gk.train.NonFiniteLossError, match=r"not saved.*last good save.*step 6 \(epoch 2\)") as e:
+            gk.fit(model, data, epochs=2, loss_fn=poisoned_from(3, loss_fn), save_every=1, log_every=10, **common)
+    assert str(tmp_path / "last.pt") in str(e.value)
+    saved = read_checkpoint(tmp_path / "last.pt")
+    assert saved["step"] == 6 and good["step"] == 4  # steps 5 and 6 were finite and saved; step 7 was not
+    assert all(value.isfinite().all() for value in saved["model"].values() if value.is_floating_point())
+    # The run goes on from the last good save (here with the same, now finite, loss).
+    resumed = make_model()
+    history = gk.fit(resumed, data, epochs=2, loss_fn=loss_fn, save_every=1, **common)
+    assert [row["epoch"] for row in history.epochs] == [1, 2] and history.steps[-1]["step"] == 8
+    assert all(value.isfinite().all() for value in resumed.state_dict().values() if value.is_floating_point())
+
+
+# ---------------------------------------------------------------------------------------------
+# One live run per folder (issue "Never lose or corrupt a run", 2)
+
+
+class WaitingData:
+    """mlp's 4 batches, given only once `finish` is set; `started` is set when fit first reads them (it holds its
+    folder by then)."""
+
+    def __init__(self, started, finish):
+        self.started, self.finish = started, finish
+
+    def __len__(self):
+        return 4
+
+    def __iter__(self):
+        self.started.set()
+        self.finish.wait(120)
+        return iter(mlp_batches())
+
+
+def mlp_batches() -> list:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for _ in range(4)]
+
+
+def train_when_told(folder: str, started, finish) -> None:
+    torch.set_num_threads(1)
+    gk.fit(mlp(), WaitingData(started, finish), epochs=1, progress=False, device="cpu", checkpoint_dir=folder)
+
+
+def start_training_elsewhere(folder: Path):
+    """Another process (spawned, as a second notebook is) that trains in `folder` until its `finish` is set."""
+    context = multiprocessing.get_context("spawn")
+    started, finish = context.Event(), context.Event()
+    process = context.Process(target=train_when_told, args=(str(folder), started, finish))
+    process.start()
+    assert started.wait(120), "the other process did not start training"
+    return process, finish
+
+
+def test_a_folder_another_live_run_trains_in_is_refused(tmp_path):
+    """Two notebooks on one checkpoint_dir both returned without a word; the last rename won, the other run was gone."""
+    options = dict(epochs=1, progress=False, device="cpu", checkpoint_dir=tmp_path)
+    other, finish = start_training_elsewhere(tmp_path)
+    try:
+        with pytest.raises(gk.train.FolderInUseError, match=rf"checkpoint_dir {tmp_path} is in use.*{other.pid}"):
+            gk.fit(mlp(), mlp_batches(), **options)
+        assert not (tmp_path / "last.pt").exists()  # refused before any work: the other run's first save is to come
+    finally:
+        finish.set()
+        other.join(120)
+    assert other.exitcode == 0 and read_checkpoint(tmp_path / "last.pt")["step"] == 4
+    model = mlp()
+    gk.fit(model, mlp_batches(), **options)  # the folder is free again: its finished run is loaded, nothing trained
+    saved = read_checkpoint(tmp_path / "last.pt")["model"]
+    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+
+def test_a_killed_run_does_not_hold_its_folder(tmp_path):
+    other, _ = start_training_elsewhere(tmp_path)
+    other.kill()  # SIGKILL: no finally, no cleanup
+    other.join(120)
+    history = gk.fit(mlp(), mlp_batches(), epochs=1, progress=False, device="cpu", checkpoint_dir=tmp_path)
+    assert history.steps[-1]["step"] == 4 and read_checkpoint(tmp_path / "last.pt")["step"] == 4

@@ -235,7 +235,8 @@ def test_unusable_checkpoint_dir_fails_before_any_work(tmp_path, case):
 def test_checkpoint_dir_is_created_and_used(tmp_path):
     folder = tmp_path / "new" / "run"
     _fit(KINDS["gpt"], checkpoint_dir=folder)
-    assert (folder / "last.pt").is_file() and [p.name for p in folder.iterdir()] == ["last.pt"]
+    # last.pt, and the file fit locks while it trains there (kept: see gpukit.files.lock_folder); no temporary file.
+    assert (folder / "last.pt").is_file() and sorted(p.name for p in folder.iterdir()) == [".gpukit.lock", "last.pt"]
 
 
 # Data of another dtype than the model's weights: both named, before the first step; a model that casts
@@ -403,3 +404,35 @@ def test_checks_on_cuda():
     assert math.isfinite(history.final_eval_loss)
     free = planning._free_bytes(torch.device("cuda"))
     assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+
+
+# ---------------------------------------------------------------------------------------------
+# An optimizer built for another model's parameters (issue "Never lose or corrupt a run", 6)
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_an_optimizer_of_another_models_parameters_is_refused(kind):
+    """It was accepted and nothing trained (loss 1.3828 → 1.3828), without a word."""
+    generator = torch.Generator().manual_seed(0)
+    if kind == "mlp":
+        make_model, loss_fn = small_mlp, None
+        data = [(torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator))] * 2
+    else:
+        make_model, loss_fn = tiny_gpt, gk.step.cross_entropy
+        text = torch.randint(0, 256, (4, 17), generator=generator)
+        data = [(text[:, :-1], text[:, 1:])] * 2
+    model, other = make_model(), make_model()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    optimizer = torch.optim.Adam(other.parameters(), lr=1e-2)
+    options = dict(loss_fn=loss_fn, progress=False, device=DEVICE, log_every=1)
+    with pytest.raises(ValueError, match=r"the optimizer updates \d+ of its \d+ parameters .* not this model's"):
+        gk.fit(model, data, optimizer=optimizer, **options)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not optimizer.state  # nothing trained with it either
+    history = gk.fit(model, data, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), **options)
+    assert history.steps[-1]["loss"] < history.steps[0]["loss"]  # one built from the model trains it

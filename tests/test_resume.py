@@ -429,3 +429,22 @@ def test_a_distributed_run_resumes_bit_equal_on_every_rank(tmp_path):
         assert_equal(rank["straight"]["model"], rank["resumed"]["model"], "model")
     saved = read_checkpoint(tmp_path / "resumed" / "last.pt")["ranks"]
     assert len(saved) == 2 and not torch.equal(saved[0]["generators"]["torch"], saved[1]["generators"]["torch"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Lost runs (issue "Never lose or corrupt a run")
+
+
+def test_a_run_killed_between_its_epochs_last_save_and_the_epochs_end_resumes(tmp_path):
+    """save_every=3 saves at step 6, the epoch's last, before its evaluation; a kill during that evaluation left a
+    save at the epoch's very end, and every resume of it failed (UnboundLocalError 'batch' in _train_epoch)."""
+    make_model, make_data, options = FORMS["dataset shuffled by fit"]
+    generator = torch.Generator().manual_seed(6)
+    eval_data = TensorDataset(torch.randn(4, 3, 8, 8, generator=generator), torch.arange(4))  # one batch
+    options = COMMON | options | {"save_every": 3, "log_every": 4, "eval_data": eval_data}
+    straight, straight_history = train(make_model, make_data, tmp_path / "straight", **options)
+    # Loss call 1 is the check of eval_data before any work, 2-7 epoch 1's steps, 8 its evaluation: killed there,
+    # after the save at step 6.
+    resumed, resumed_history = train(make_model, make_data, tmp_path / "resumed", crashes=(8,), **options)
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed", straight_history, resumed_history)
+    assert [row["epoch"] for row in resumed_history.epochs] == [1, 2]

@@ -862,3 +862,84 @@ def test_fit_keeps_a_last_partial_batch_of_a_dataset(form, device):
         assert [row["step"] for row in history.steps] == list(range(1, 2 * steps + 1)), (size, history.steps)
         assert sizes == 2 * ([32] * 4 + [seen - 128]), (size, sizes)
         assert history.micro_batch_size == 32 and history.global_batch_size == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# An interrupted fit (issue "Never lose or corrupt a run", 4)
+
+
+def interrupted_at(step: int):
+    """An optimizer function (fit calls it with the parameters): SGD whose `step`-th step raises KeyboardInterrupt
+    before it updates anything, after that step's backward: its gradients are on the model then."""
+
+    def build(parameters):
+        optimizer, calls = torch.optim.SGD(parameters, lr=0.05, momentum=0.9), 0
+
+        def interrupt(*_):
+            nonlocal calls
+            calls += 1
+            if calls == step:
+                raise KeyboardInterrupt
+
+        optimizer.register_step_pre_hook(interrupt)
+        return optimizer
+
+    return build
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_an_interrupted_fit_leaves_no_gradients_and_says_how_far_it_got(kind):
+    """The gradients of the step cut short stayed on the model and went into the next fit's first step."""
+    generator = torch.Generator().manual_seed(0)
+    if kind == "mlp":
+        make_model, loss_fn = small_mlp, F.cross_entropy
+        data = [
+            (torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in "abcd"
+        ]
+    else:
+        make_model, loss_fn = tiny_gpt, gk.step.cross_entropy
+        data = [(text[:, :-1], text[:, 1:]) for text in torch.randint(0, 256, (4, 4, 17), generator=generator)]
+    options = dict(loss_fn=loss_fn, progress=False, device="cpu", epochs=1, lr=0.05)
+    model = make_model()
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        gk.fit(model, data, optimizer=interrupted_at(3), **options)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert "fit stopped in epoch 1 after optimizer step 2 of 4" in "".join(stopped.value.__notes__)
+    # The next fit equals one from the same weights in a model that never had gradients.
+    fresh = make_model()
+    fresh.load_state_dict(model.state_dict())
+
+    def optimizer(parameters):
+        return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+
+    gk.fit(model, data, optimizer=optimizer, **options)
+    gk.fit(fresh, data, optimizer=optimizer, **options)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The same optimizer passed to fit again (issue "Never lose or corrupt a run", 5)
+
+
+def test_each_fit_with_the_same_optimizer_peaks_at_its_own_lr():
+    """Three calls with Adam(lr=1e-2) and the one-cycle schedule peaked at 0.00994, then 3.98e-08, then 1.59e-13."""
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(8)]
+    model = small_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    options = dict(optimizer=optimizer, progress=False, device="cpu", log_every=1)
+    peaks = [max(row["lr"] for row in gk.fit(model, data, **options).steps)]
+    for _ in range(2):
+        with pytest.warns(
+            UserWarning, match=r"where an earlier schedule left it.*peaks at the lr it began with \(0.01\)"
+        ):
+            peaks.append(max(row["lr"] for row in gk.fit(model, data, **options).steps))
+    assert peaks == pytest.approx([1e-2] * 3, rel=0.02)  # 8 steps: the peak step's lr is within 2% of the peak
+    # With lr= the schedule peaks there, and a linear schedule after a one-cycle one too (not at a stale initial_lr).
+    history = gk.fit(model, data, **options, lr=3e-3, schedule="linear", warmup=0)
+    assert max(row["lr"] for row in history.steps) == pytest.approx(3e-3, rel=0.15)

@@ -2,6 +2,7 @@
 resuming from checkpoints, saved runs,
 and the learning-rate range test `lr_find`. One training step on one batch is defined in gpukit.step."""
 
+from ..files import FolderInUseError
 from ..runfile import HistoryFileError
 from .checkpoint import CheckpointError
 from .checks import NonFiniteInputError
@@ -12,6 +13,7 @@ from .lr_finder import LRFinderResult, lr_find
 
 __all__ = [
     "CheckpointError",
+    "FolderInUseError",
     "History",
     "HistoryFileError",
     "LRFinderResult",

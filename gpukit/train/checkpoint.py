@@ -33,7 +33,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .. import distributed
-from ..files import remove_stale_temporaries, write_atomic
+from ..files import lock_folder, remove_stale_temporaries, write_atomic
+from .checks import NonFiniteLossError
 from .data import batches
 
 FORMAT = 2  # 1: gpukit's earlier files (torch.save's bytes alone: no checksum, data order or generators)
@@ -357,6 +358,25 @@ class Checkpointer:
         self.pending = None  # the saved place in the data, until the first epoch trained resumes from it
         self.epoch_start = None  # the state the current epoch's order came from (for saves within it)
         self.writer = None  # a BackgroundWriter (fit's save_in_background=True), else saves block until written
+        self.last_good = None  # (epoch counted from 1, optimizer step) of the save last.pt holds, if any
+        self.release = None  # lets the folder go (lock_folder), once this run holds it
+
+    def hold(self) -> None:
+        """Take the folder for this run, or raise FolderInUseError if another live process trains in it: two runs
+        in one folder would overwrite each other's saves. The first rank holds it for the job; a killed run's hold
+        ends with its process."""
+        if distributed.is_main():
+            self.release = lock_folder(self.path.parent, "checkpoint_dir")
+
+    def let_go(self) -> None:
+        """Wait for a save in flight, then let the folder go (fit calls it however it ends)."""
+        try:
+            if self.writer is not None:
+                self.writer.wait()
+        finally:
+            release, self.release = self.release, None
+            if release is not None:
+                release()
 
     def resume(self, run, build_schedule: Callable) -> tuple[int, int]:
         """Load the saved run into `run`: (epoch, optimizer step) to go on from; (0, 0) without a checkpoint.
@@ -396,6 +416,7 @@ class Checkpointer:
         for name, value in state["history"].items():  # "batch_size" in files of before the rename: the global one
             setattr(run.history, "global_batch_size" if name == "batch_size" else name, value)
         self.pending = {"position": state["position"]} | state["ranks"][distributed.rank()]
+        self.last_good = (state["epoch"] + (state["position"] > 0), state["step"])
         return state["epoch"], state["step"]
 
     def _check(self, state: dict, optimizer) -> bool:
@@ -460,7 +481,9 @@ class Checkpointer:
         return batches(run.loader, run.device, iterator), pending["position"]
 
     def save(self, run, epoch: int, position: int = 0, tally=None, window=None) -> None:
-        """Save `run` after `position` micro-batches of epoch `epoch` (counted from 0); every rank calls it."""
+        """Save `run` after `position` micro-batches of epoch `epoch` (counted from 0); every rank calls it. A state
+        that is not finite is never written over the last good save: a NonFiniteLossError names that save."""
+        self._refuse_non_finite(run, epoch + (position > 0))
         ranks = _every_rank(self._this_rank(run, position, tally, window))
         if distributed.is_main():  # one writer: the model and optimizer are the same on every rank
             history = run.history
@@ -483,7 +506,30 @@ class Checkpointer:
                 self.writer.save(state, self.path)
             else:
                 write_checkpoint(state, self.path)
+        self.last_good = (epoch + (position > 0), run.step_index)
         distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
+
+    def last_good_save(self) -> str:
+        """Where the last save that holds a finite state is, said for an error message."""
+        if self.last_good is None:
+            return f"nothing was saved there before, so {self.path} does not exist"
+        epoch, step = self.last_good
+        return f"{self.path} keeps the last good save: optimizer step {step} (epoch {epoch})"
+
+    def _refuse_non_finite(self, run, epoch: int) -> None:
+        """Raise NonFiniteLossError, writing nothing, if a weight, buffer or optimizer state holds NaN or inf: the
+        loss is read only every log_every steps, so a save may come first (every rank checks: same answer)."""
+        tensors = [value for value in run.model.state_dict().values() if torch.is_tensor(value)]
+        for state in run.step.optimizer.state.values():
+            tensors += [value for value in state.values() if torch.is_tensor(value)]
+        tensors = [tensor for tensor in tensors if tensor.is_floating_point() or tensor.is_complex()]
+        if not tensors or torch.stack([tensor.isfinite().all() for tensor in tensors]).all():  # one synchronisation
+            return
+        raise NonFiniteLossError(
+            f"the weights or the optimizer's state hold NaN or inf after optimizer step {run.step_index} (epoch "
+            f"{epoch}), so they were not saved: {self.last_good_save()}. Try a lower lr, more warm-up, gradient "
+            "clipping (clip=1.0), or bf16-mixed instead of fp16-mixed; the same checkpoint_dir resumes from that save."
+        )
 
     def _this_rank(self, run, position: int, tally, window) -> dict:
         """What differs between the ranks of a job: the generators, the data order's start and the running sums."""

@@ -1,6 +1,7 @@
 """Mistakes found before any training time is spent, each named with what to do.
 
     check_arguments      the types of what is not checked elsewhere (seed), a model with something to train,
+                         an optimizer you built that updates this model's parameters,
                          and a checkpoint_dir that is a folder fit can write to;
     check_eval_data      eval_data's first batch through the model (no gradients, eval mode), with the loss
                          and the metrics, before the first step: not after the first epoch has trained;
@@ -46,11 +47,13 @@ class NonFiniteInputError(NonFiniteLossError, ValueError):
     """The loss became NaN or infinite and the batch holds NaN or inf: a problem in the data, not the lr."""
 
 
-def check_arguments(model: nn.Module, *, seed, checkpoint_dir) -> None:
+def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -> None:
     """What fit checks before it builds anything, besides the numbers loop.py checks."""
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # NumPy's integers are seeds too
         raise ValueError(f"seed must be an integer, got {seed!r} (a {type(seed).__name__}).")
     check_trainable(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_optimizer_parameters(model, optimizer)
     if distributed.is_main():  # the one rank that writes checkpoints
         check_checkpoint_dir(checkpoint_dir)
 
@@ -61,6 +64,23 @@ def check_trainable(model: nn.Module) -> None:
         raise ValueError(
             f"all {len(parameters)} parameters of the model are frozen (requires_grad=False), so training would "
             "change nothing; unfreeze what should learn, e.g. model.head.requires_grad_(True)."
+        )
+
+
+def check_optimizer_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer you built must update this model's own Parameters: one built for another model (a copy, an
+    earlier instance) trains nothing here, and the loss would stay where it is without a word."""
+    own = {id(parameter) for parameter in model.parameters()}
+    updated = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    foreign = [parameter for parameter in updated if id(parameter) not in own]
+    if foreign:
+        shapes = ", ".join(str(tuple(parameter.shape)) for parameter in foreign[:3]) + (
+            ", ..." if len(foreign) > 3 else ""
+        )
+        raise ValueError(
+            f"the optimizer updates {len(foreign)} of its {len(updated)} parameters ({shapes}) that are not this "
+            f"model's, so training would not change them: build it from the model you train "
+            f"({type(optimizer).__name__}(model.parameters(), ...)) or pass a name, e.g. optimizer='adamw'."
         )
 
 

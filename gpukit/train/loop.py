@@ -176,7 +176,7 @@ def fit(
     _check_model(model)
     if fp8_config is not None:
         float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
-    check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir)
+    check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir, optimizer=optimizer)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
@@ -225,7 +225,7 @@ def fit(
         torch.manual_seed(seed + distributed.rank())
         return _train(run, epochs)
     finally:
-        options.undo()  # the last save on disk; the model without checkpointing or compiled blocks
+        run.finish(options)  # the last save on disk, the folder let go; the model without compiled blocks
 
 
 def _settings(lr, optimizer, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config) -> dict:
@@ -323,9 +323,21 @@ def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.opt
     """The optimizer and the schedule's peak lr: lr, else the optimizer's own (one you built), else the name's."""
     peak_lr = lr if lr is not None else default_lr(optimizer)
     built = make_optimizer(optimizer, model, peak_lr, weight_decay)
-    if lr is not None or isinstance(optimizer, str):
-        for group in built.param_groups:
-            group["lr"] = peak_lr
+    left = [group["lr"] for group in built.param_groups]
+    for group in built.param_groups:
+        # An earlier fit's schedule left its lr at the end of its decay (OneCycleLR: 1/250,000 of the peak) and
+        # its peak in these keys: this fit's schedule starts from the optimizer's own lr again, not from the decay.
+        own = group.pop("max_lr", group.get("initial_lr", group["lr"]))
+        for key in ("initial_lr", "min_lr"):
+            group.pop(key, None)
+        group["lr"] = peak_lr if lr is not None or isinstance(optimizer, str) else own
+    if lr is None and not isinstance(optimizer, str) and left != [group["lr"] for group in built.param_groups]:
+        warnings.warn(
+            f"optimizer: its lr ({', '.join(f'{value:g}' for value in left)}) is where an earlier schedule left it; "
+            f"this fit's schedule peaks at the lr it began with ({built.param_groups[0]['lr']:g}) again. Pass lr= to "
+            "choose another.",
+            stacklevel=3,
+        )
     return built, built.param_groups[0]["lr"]
 
 
@@ -359,6 +371,7 @@ class _Run:
     seen_a_batch: bool = False
     seen_outputs: bool = False  # whether the model's outputs were looked at once (warn_if_scalars_ignored)
     start_epoch: int = 0
+    epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
     phase: str = "loading data"  # what an out-of-memory error is reported as happening in
     started: float = field(default_factory=time.perf_counter)
@@ -386,6 +399,7 @@ class _Run:
         }
         self.save_every = save_every
         self.checkpoint = Checkpointer(checkpoint_dir, plan, settings, save_every=save_every, device=self.device)
+        self.checkpoint.hold()  # refused here if another live run trains in this folder
         self.start_epoch, self.step_index = self.checkpoint.resume(self, build_schedule)
         warn_if_order_cannot_be_saved(self.loader)
         distributed.check_same(self.start_epoch, "the epoch to resume from")
@@ -400,6 +414,23 @@ class _Run:
         self.watcher = _start_monitor(monitor, self.device)
         if self.device.type == "cuda":
             watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
+
+    def how_far(self) -> str:
+        """Where training stopped, for the note an interrupted fit's error carries."""
+        saved = self.checkpoint.last_good_save() if self.checkpoint is not None else "no checkpoint_dir, nothing saved"
+        return (
+            f"fit stopped in epoch {self.epoch + 1} after optimizer step {self.step_index} of "
+            f"{self.total_steps or 'no end'}: the model is as of that step (the unfinished step's gradients were "
+            f"dropped); {saved}."
+        )
+
+    def finish(self, options: ModelOptions) -> None:
+        """However fit ends: the model as it came (options.undo waits for a save in flight), the folder let go."""
+        try:
+            options.undo()
+        finally:
+            if self.checkpoint is not None:
+                self.checkpoint.let_go()
 
     def close(self) -> None:
         if self.watcher is not None:
@@ -422,12 +453,14 @@ class _Run:
 def _train(run: _Run, epochs: int) -> History:
     """Every epoch; an out-of-memory error frees what the run held, then says where it ran out and what to try."""
     error = None
+    run.model.zero_grad(set_to_none=True)  # not the gradients an interrupted call (or your own loop) left
     run.model.train()
     try:
         with run.precision.flags():
             for epoch in range(run.start_epoch, epochs):
                 if run.done():
                     break
+                run.epoch = epoch
                 _end_epoch(run, epoch, *_train_epoch(run, epoch))
     except torch.OutOfMemoryError as out_of_memory:
         # Read the numbers now; keep no reference to the original error, whose traceback holds the step's tensors.
@@ -439,6 +472,10 @@ def _train(run: _Run, epochs: int) -> History:
             accumulate=run.accumulate,
             precision=run.precision.name,
         )
+    except BaseException as stopped:  # KeyboardInterrupt too: the model as of its last optimizer step, and where
+        run.model.zero_grad(set_to_none=True)  # (the unfinished step's gradients would go into the next fit's first)
+        stopped.add_note(run.how_far())
+        raise
     finally:
         run.close()
     if error is None:
@@ -469,6 +506,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         epoch_batches, micro = batches(loader, run.device), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
         epoch_batches, micro = run.checkpoint.start_epoch(run, tally, window)
+    batch = None  # a resumed epoch saved at its end (a kill during its evaluation) reads no batch
     for raw in epoch_batches:
         if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
             break  # leftover micro-batches would leave gradients behind for the next step
@@ -620,6 +658,7 @@ def _log(run: _Run, window: _Window, epoch: int, batch: Batch | None = None) -> 
             "lower lr, more warm-up, gradient clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss "
             "scaling if you scale by hand). The last batch read holds no NaN or inf (log_every=1 checks the batch "
             "of every step)."
+            + (f" Nothing non-finite was saved: {run.checkpoint.last_good_save()}." if run.checkpoint else "")
         )
     run.history.steps.append(row)
     run.board.add_step(row)

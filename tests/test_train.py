@@ -854,3 +854,17 @@ def test_the_old_knobs_warn_and_train_as_their_new_names(kind, small_data, corpu
     for bad in (float("nan"), -0.1):
         with pytest.raises(ValueError, match="warmup must be a number >= 0"):
             gk.fit(make(), data, warmup=bad, **common)
+
+
+def test_deferred_sums_equal_sums_added_one_at_a_time():
+    """RunningSums.defer adds later, in bulk, what add would have added at once: the same float64 bits."""
+    from gpukit.train.tally import RunningSums
+
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn((), generator=generator) * 10 for _ in range(75)]  # more than deferred_limit
+    sizes = [32] * 70 + [7] * 5  # a last, smaller batch
+    at_once, later = RunningSums(torch.device("cpu"), ["loss"]), RunningSums(torch.device("cpu"), ["loss"])
+    for value, size in zip(values, sizes):
+        at_once.add("loss", value * size)
+        later.defer("loss", value, size)
+    assert later.read() == at_once.read() and later.read()["loss"] != 0

@@ -308,9 +308,27 @@ class _Survey:
     problem: str  # why this torch cannot use them (cuda_build_problem); "" when it can or there are none
 
 
+def _no_nvidia_driver() -> bool:
+    """True where no NVIDIA driver is loaded, so that no GPU can exist: Linux without the driver's device files
+    (/dev/nvidiactl, /dev/nvidia0, …), its /proc entry, or WSL's GPU device /dev/dxg. Elsewhere False (unknown)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/dxg"):
+        return False
+    try:
+        return not any(name.startswith("nvidia") for name in os.listdir("/dev"))
+    except OSError:
+        return False
+
+
 def _survey() -> _Survey:
-    """Ask NVML; where it cannot tell what CUDA will show (no binding, MIG, unlike GPUs), ask a child process."""
+    """Ask NVML; where it cannot tell what CUDA will show (no binding, MIG, unlike GPUs), ask a child process.
+
+    Without NVML's binding on a machine with no NVIDIA driver the answer is known without asking: no GPU. A child
+    process imports torch to ask CUDA, which took 3-9 s on a loaded 2-core machine."""
     view = _read_nvml()
+    if view is None and _no_nvidia_driver():
+        return _Survey([], "")
     if view is None:  # the child reports only GPUs that torch can use, so no problem is left to explain
         return _Survey(_gpus_from_child_process(), "")
     gpus = _visible_gpus(view.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -15,15 +15,18 @@ It lives below gpukit.train so that gpukit.plots can read saved runs without imp
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
+import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
 import torch
 
-from .env import detect
+from .env import detect, profile_for
 from .files import write_atomic
 from .validation import is_int
 
@@ -37,7 +40,70 @@ class HistoryFileError(ValueError):
 
 def git_commit(folder: str | Path | None = None) -> str | None:
     """The commit checked out in the git repository holding `folder` (default: the current folder);
-    None outside a repository, before its first commit, or where git is not installed."""
+    None outside a repository or before its first commit.
+
+    Read from the repository's files (HEAD, then the branch's loose ref or packed-refs): fit records it on every
+    call, and a `git rev-parse` child process took 10-15 ms of a first step that should take a few. Where the files
+    do not tell (GIT_DIR set, the reftable format, a ref that points to a ref), git itself is asked, once per folder
+    and process; then None also where git is not installed."""
+    start = Path(folder if folder is not None else ".").resolve()
+    found = _commit_from_files(start)
+    if found is not _UNKNOWN:
+        return found
+    if start not in _asked_git:
+        _asked_git[start] = _commit_from_git(start)
+    return _asked_git[start]
+
+
+_UNKNOWN = object()  # the repository's files did not tell: ask git
+_asked_git: dict[Path, str | None] = {}  # folder → what git rev-parse answered, once per process
+_HASH = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")  # SHA-1, or SHA-256 in repositories that use it
+
+
+def _git_folder(start: Path) -> Path | None:
+    """The .git folder of the repository holding `start` (a worktree's .git file points to its own)."""
+    for folder in (start, *start.parents):
+        dot_git = folder / ".git"
+        if dot_git.is_dir():
+            return dot_git
+        if dot_git.is_file():
+            text = dot_git.read_text(errors="replace").strip()
+            return (folder / text.removeprefix("gitdir:").strip()).resolve() if text.startswith("gitdir:") else None
+    return None
+
+
+def _commit_from_files(start: Path):
+    """The commit HEAD names, read from the files; None (no repository, no commit yet) or _UNKNOWN."""
+    if "GIT_DIR" in os.environ or "GIT_WORK_TREE" in os.environ:
+        return _UNKNOWN
+    try:
+        git_folder = _git_folder(start) if start.is_dir() else None
+        if git_folder is None:
+            return None
+        head = (git_folder / "HEAD").read_text().strip()
+        if _HASH.fullmatch(head):  # a detached HEAD
+            return head
+        common = git_folder
+        if (git_folder / "commondir").is_file():  # a linked worktree: branches live in the main repository
+            common = (git_folder / (git_folder / "commondir").read_text().strip()).resolve()
+        if not head.startswith("ref: refs/") or (common / "reftable").exists():
+            return _UNKNOWN
+        ref = head.removeprefix("ref: ")
+        loose = common / ref
+        if loose.is_file():
+            commit = loose.read_text().strip()
+            return commit if _HASH.fullmatch(commit) else _UNKNOWN
+        packed = common / "packed-refs"
+        if packed.is_file():
+            for line in packed.read_text().splitlines():
+                if line.endswith(" " + ref) and _HASH.fullmatch(line.split(" ", 1)[0]):
+                    return line.split(" ", 1)[0]
+        return None  # a branch with no commit yet
+    except OSError:
+        return _UNKNOWN
+
+
+def _commit_from_git(folder: Path) -> str | None:
     try:
         result = subprocess.run(
             ["git", "rev-parse", "--verify", "--quiet", "HEAD"],
@@ -74,6 +140,7 @@ def device_name(device: torch.device | None) -> str | None:
     return _cpu_name()
 
 
+@functools.cache  # parsing the package's metadata took 9 ms, on every fit
 def _gpukit_version() -> str | None:
     try:
         return importlib.metadata.version("gpukit")
@@ -82,10 +149,13 @@ def _gpukit_version() -> str | None:
 
 
 def run_environment(device: torch.device | None) -> dict:
-    """What a run ran on, recorded by fit and saved with its History (device None: no device name)."""
+    """What a run ran on, recorded by fit and saved with its History (device None: no device name).
+
+    The profile is the one for work on `device` (gk.env.profile_for: no survey of the GPUs, so that a fit on the
+    CPU starts no child process), and gk.detect()'s choice for this machine where no device is given."""
     return {
         "device_name": device_name(device),
-        "profile": detect().profile.name,  # the sizes gk.detect() chose here (tiny, cpu or gpu)
+        "profile": (profile_for(device) if device is not None else detect().profile).name,  # tiny, cpu or gpu
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,  # None for a CPU-only build of torch

@@ -119,7 +119,7 @@ def test_save_and_load_give_back_every_column_exactly(runs, kind, tmp_path):
 
 def test_fit_records_the_environment(runs):
     environment = runs["cnn"][0].environment
-    assert environment["profile"] == gk.detect().profile.name
+    assert environment["profile"] == gk.env.profile_for("cpu").name  # the sizes for the device it trained on
     assert environment["torch"] == torch.__version__
     assert environment["python"] == ".".join(map(str, sys.version_info[:3]))
     assert environment["device_name"]  # this CPU's model name
@@ -141,10 +141,46 @@ def test_git_commit_is_none_outside_a_checkout_and_without_git(tmp_path, monkeyp
     subprocess.run([*git, "commit", "-qm", "a"], check=True)
     head = subprocess.run([*git, "log", "-1", "--format=%H"], capture_output=True, text=True).stdout.strip()
     assert runfile.git_commit(tmp_path) == head
-    monkeypatch.setenv("PATH", "")  # no git at all
-    assert runfile.git_commit(tmp_path) is None
-    monkeypatch.chdir(tmp_path)
-    assert runfile.run_environment(torch.device("cpu"))["git_commit"] is None
+    monkeypatch.setenv("PATH", "")  # no git at all: the commit is read from the repository's files
+    assert runfile.git_commit(tmp_path) == head
+    assert runfile.git_commit(tmp_path / "missing") is None  # git cannot run in a folder that is gone
+    (tmp_path / "plain").mkdir()
+    monkeypatch.chdir(tmp_path.parent)  # tmp_path's parent is no repository
+    assert runfile.git_commit() is None
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / ".git"))  # the files cannot say what git would do: git is asked
+    assert runfile.git_commit(tmp_path / "plain") is None
+
+
+def test_git_commit_read_from_files_agrees_with_git(tmp_path, monkeypatch):
+    """Packed refs, a detached HEAD, a linked worktree and a subfolder: what the files say is what git says."""
+    git = ["git", "-C", str(tmp_path / "repo"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    (tmp_path / "repo" / "sub").mkdir()
+    for text in "ab":
+        (tmp_path / "repo" / "sub" / "a.txt").write_text(text)
+        subprocess.run([*git, "add", "sub/a.txt"], check=True)
+        subprocess.run([*git, "commit", "-qm", text], check=True)
+
+    def rev_parse(folder):
+        result = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True)
+        return result.stdout.strip()
+
+    def no_git(*args, **kwargs):
+        raise AssertionError("git was started although the repository's files tell the commit")
+
+    def read_from_files(folder):
+        with monkeypatch.context() as patch:
+            patch.setattr(subprocess, "run", no_git)
+            return runfile.git_commit(folder)
+
+    subprocess.run([*git, "worktree", "add", "-q", str(tmp_path / "tree"), "-b", "other"], check=True)
+    subprocess.run([*git, "pack-refs", "--all"], check=True)  # branches now only in packed-refs
+    folders = [tmp_path / "repo", tmp_path / "repo" / "sub", tmp_path / "tree"]
+    assert [read_from_files(folder) for folder in folders] == [rev_parse(folder) for folder in folders]
+    latest = rev_parse(tmp_path / "repo")
+    subprocess.run([*git, "checkout", "-q", "--detach", "HEAD~1"], check=True)
+    assert read_from_files(tmp_path / "repo") == rev_parse(tmp_path / "repo") != latest
+    assert len(latest) == 40
 
 
 def test_a_history_not_made_by_fit_saves_this_process_environment(tmp_path):

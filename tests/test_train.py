@@ -3,6 +3,9 @@
 
 import copy
 import math
+import os
+import sys
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -17,6 +20,7 @@ from gpukit.env import PROFILES
 from tests.helpers import CausalLM, tiny_gpt
 
 matplotlib.use("Agg")  # figures are drawn, never shown
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def mlp(num_classes=10, seed=0):
@@ -121,6 +125,42 @@ def test_fit_does_not_synchronise_every_step(small_data, monkeypatch, device):
     monkeypatch.setattr(torch.Tensor, "tolist", counting(torch.Tensor.tolist))
     gk.fit(mlp(), train, epochs=1, batch_size=16, lr=0.01, progress=False, log_every=8, device=device)  # 32 steps
     assert calls <= 32 // 8 + 3  # one per window, the per-epoch totals, the first batch's label check
+
+
+def test_fit_on_the_cpu_starts_no_child_process(monkeypatch, tmp_path):
+    """No GPU survey (a child that imports torch took 3-9 s) and no `git rev-parse` when the device is given."""
+    import subprocess
+
+    from gpukit import env
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"fit started a child process: {args[:1]}")
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML binding: a survey would have to ask a child
+    monkeypatch.setattr(env, "_surveys", {})  # forget what an earlier detect() found
+    monkeypatch.setattr(env, "_no_nvidia_driver", lambda: False)  # as on a machine with a driver
+    monkeypatch.setattr(subprocess, "run", no_child)
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    monkeypatch.setattr(os, "fork", no_child)
+    monkeypatch.chdir(REPO_ROOT)  # inside a checkout: the commit is read from its files
+    model, data = regressor(), regression(64)
+    history = gk.fit(model, data, epochs=1, batch_size=16, lr=0.01, loss_fn="mse", progress=False, device="cpu")
+    assert len(history.steps) == 1 and history.environment["profile"] == env.profile_for("cpu").name
+    if (REPO_ROOT / ".git").exists():
+        assert history.environment["git_commit"] is not None
+
+
+def test_without_nvml_or_an_nvidia_driver_detect_asks_no_child(monkeypatch):
+    from gpukit import env
+
+    def no_child():
+        raise AssertionError("detect() asked a child process on a machine without an NVIDIA driver")
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env, "_no_nvidia_driver", lambda: True)
+    monkeypatch.setattr(env, "_gpus_from_child_process", no_child)
+    assert gk.detect().gpu_count == 0 and gk.resolve_device(None).type != "cuda"
 
 
 def test_evaluate(small_data, device):
@@ -943,3 +983,17 @@ def test_each_fit_with_the_same_optimizer_peaks_at_its_own_lr():
     # With lr= the schedule peaks there, and a linear schedule after a one-cycle one too (not at a stale initial_lr).
     history = gk.fit(model, data, **options, lr=3e-3, schedule="linear", warmup=0)
     assert max(row["lr"] for row in history.steps) == pytest.approx(3e-3, rel=0.15)
+
+
+def test_deferred_sums_equal_sums_added_one_at_a_time():
+    """RunningSums.defer adds later, in bulk, what add would have added at once: the same float64 bits."""
+    from gpukit.train.tally import RunningSums
+
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn((), generator=generator) * 10 for _ in range(75)]  # more than deferred_limit
+    sizes = [32] * 70 + [7] * 5  # a last, smaller batch
+    at_once, later = RunningSums(torch.device("cpu"), ["loss"]), RunningSums(torch.device("cpu"), ["loss"])
+    for value, size in zip(values, sizes):
+        at_once.add("loss", value * size)
+        later.defer("loss", value, size)
+    assert later.read() == at_once.read() and later.read()["loss"] != 0

@@ -620,14 +620,14 @@ class _Window:
 
     def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each)."""
-        self.sums.add("loss", loss)
+        self.sums.defer("loss", loss)  # no kernel now: added when the row is read (RunningSums.defer)
         for name, part in parts.items():
-            self.sums.add(name, part)
+            self.sums.defer(name, part)
         self.micro_batches += 1
         self.samples += batch.size
         if batch.is_sequence:
             self.sequences = True
-            self.sums.add("tokens", batch.count_tokens())
+            self.sums.defer("tokens", batch.count_tokens())
 
     def row(self, step: int, epoch: int, lr: float) -> dict:
         """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""

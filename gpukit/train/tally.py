@@ -68,18 +68,59 @@ def _nothing_to_report(outputs) -> str:
 class RunningSums:
     """Named sums kept on the device in float64: adding never waits for the GPU, `read()` waits once,
     and `over_ranks()` adds them up across a distributed job in one all-reduce. A name is added the first
-    time a value is."""
+    time a value is.
+
+    `defer` keeps a tensor (and the number it is multiplied by) to be added later, with no kernel now: the
+    per-step sums of fit cost no launches per step. They are added when the sums are looked at (`values`) or
+    when 32 wait, in the order they came, by a float64 cumsum (sequential on a CPU, so the same bits as adding
+    one at a time: fit's History did not change by a bit)."""
+
+    deferred_limit = 32  # tensors kept per name before they are added: bounds the memory they hold
 
     def __init__(self, device: torch.device, names):
         self.zero = torch.zeros((), device=device, dtype=torch.float64)
-        self.values = {name: self.zero.clone() for name in names}
+        self._values = {name: self.zero.clone() for name in names}
+        self.pending: dict[str, list[tuple[torch.Tensor, int]]] = {}
+
+    @property
+    def values(self) -> dict[str, torch.Tensor]:
+        for name in list(self.pending):
+            self._settle(name)
+        return self._values
+
+    @values.setter
+    def values(self, values: dict[str, torch.Tensor]) -> None:
+        self._values, self.pending = values, {}
 
     def add(self, name: str, value) -> None:
+        if name in self.pending:
+            self._settle(name)  # keep the order of addition
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(()).to(torch.float64)
-        if name not in self.values:
-            self.values[name] = self.zero.clone()
-        self.values[name] += value
+        if name not in self._values:
+            self._values[name] = self.zero.clone()
+        self._values[name] += value
+
+    def defer(self, name: str, value: torch.Tensor, times: int = 1) -> None:
+        """Add `value * times` (a 0-d tensor; the product in its own dtype, as `add` of it would) later."""
+        waiting = self.pending.setdefault(name, [])
+        waiting.append((value.detach(), times))
+        if len(waiting) >= self.deferred_limit:
+            self._settle(name)
+
+    def _settle(self, name: str) -> None:
+        waiting = self.pending.pop(name)
+        if len({(value.dtype, value.device) for value, _ in waiting}) > 1:  # cannot stack: one at a time
+            for value, times in waiting:
+                self.add(name, value * times if times != 1 else value)
+            return
+        if len({times for _, times in waiting}) == 1:
+            stacked = torch.stack([value.reshape(()) for value, _ in waiting])
+            stacked = stacked * waiting[0][1] if waiting[0][1] != 1 else stacked
+        else:  # a last, smaller batch: each product as `add` would have made it
+            stacked = torch.stack([(value * times).reshape(()) for value, times in waiting])
+        total = self._values.get(name, self.zero).reshape(1)
+        self._values[name] = torch.cat([total, stacked.to(torch.float64)]).cumsum(0)[-1]
 
     def over_ranks(self, *counts: int, names_may_differ: bool = False) -> tuple[int, ...]:
         """Sum every value, and the host-side `counts` given, over all ranks; returns the counts' sums.
@@ -127,17 +168,17 @@ class Tally:
         size = batch.size
         self.samples += size
         if loss is not None:
-            self.sums.add("loss", loss.detach() * size)
+            self.sums.defer("loss", loss, size)
         for name, part in loss_parts(outputs).items():
-            self.sums.add(name, part * size)
+            self.sums.defer(name, part, size)
         if self.accuracy:
             prediction, _ = unpack_outputs(outputs)
             correct, scored = self.loss.correct(prediction.detach(), batch.target)
-            self.sums.add("correct", correct)
-            self.sums.add("scored", scored)
+            self.sums.defer("correct", correct)
+            self.sums.defer("scored", scored)
         if batch.is_sequence:
             self.sequences = True
-            self.sums.add("tokens", batch.count_tokens())
+            self.sums.defer("tokens", batch.count_tokens())
         if only_losses(outputs):
             return  # a detector's training outputs: its losses (columns above), no prediction to measure
         with torch.no_grad():

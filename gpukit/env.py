@@ -61,11 +61,14 @@ PROFILES = {
         batch_sizes=(16, 32, 64, 128), bench_repeats=7, matmul_size=1024,
         text_bytes=2_000_000, seq_len=128, gpt_width=96, gpt_depth=3, gpt_heads=4, gpt_steps=300,
     ),
-    # Full size on a CUDA GPU.
+    # Full-size models on a CUDA GPU, with the data and steps cut for a short lease (each lesson's derivation in its
+    # setup cell, the seconds in benchmarks/gpu-ledger.json): 20,000 training images (lesson 01: 10 epochs of 78 steps
+    # of 256, against tiny's 4 of 128 steps of 64 that pass its 0.8-accuracy check; its batch-1024 runs get 95 steps),
+    # 500 GPT steps (lesson 06: held-out loss below the unigram entropy, which tiny's 150 steps reach).
     "gpu": Profile(
-        name="gpu", train_size=50_000, test_size=10_000, epochs=10, width=64, batch_size=256,
+        name="gpu", train_size=20_000, test_size=5_000, epochs=10, width=64, batch_size=256,
         batch_sizes=(32, 64, 128, 256, 512, 1024), bench_repeats=20, matmul_size=8192,
-        text_bytes=None, seq_len=256, gpt_width=384, gpt_depth=6, gpt_heads=6, gpt_steps=2000,
+        text_bytes=None, seq_len=256, gpt_width=384, gpt_depth=6, gpt_heads=6, gpt_steps=500,
     ),
 }  # fmt: skip
 

@@ -154,11 +154,34 @@ def test_decode_paths_agree_and_the_table_skips_gpu_rows_honestly(dataset):
         with pytest.raises(RuntimeError, match="no CUDA GPU is available here; decode on the CPU"):
             gk.data.decode_batch(encoded, "cuda")
     cpu_rows = [row for row in table.rows if row["device"] == "cpu"]
-    every_core = [row for row in cpu_rows if "every core" in row["path"]]  # worker processes: none at num_workers=0
-    assert [row["note"] for row in every_core] == ["skipped: num_workers=0 (no worker processes)"]
-    assert all(row["images_per_second"] > 0 for row in cpu_rows if row not in every_core)
+    in_workers = [row for row in cpu_rows if "kept in the worker" in row["path"]]  # none at num_workers=0
+    assert [row["note"] for row in in_workers] == ["skipped: num_workers=0 (no worker processes)"] * 2
+    assert all(row["images_per_second"] > 0 for row in cpu_rows if row not in in_workers)
     cpu_only = gk.data.decode_table(encoded, size=24, batch_size=4, num_workers=0, repeats=1, gpu=False)
     assert [row["note"] for row in cpu_only.rows if row["device"] == "cuda"] == ["skipped: gpu=False"] * 2
+
+
+def test_the_worker_rows_decode_enough_batches_per_worker_and_keep_the_pixels(dataset, monkeypatch):
+    """The every-core row gives each worker BATCHES_PER_WORKER batches (one each timed a worker's start and end) and
+    ships back counts, not pixels; its note gives the rate per core against the 1-worker row's."""
+    from gpukit.data import decoding
+    from gpukit.data.formats import encode
+
+    encoded = [encode(image, "jpeg", 95) for image in dataset.images[:6]]
+    batches = [encoded[:4], encoded[4:]]  # batches of 4 and 2 images
+    workers = decoding._decoding_workers(batches, 3)
+    assert len(workers.dataset) == decoding.BATCHES_PER_WORKER * 3 and workers.batch_size is None
+    assert workers.images_per_pass == (4 + 2) * decoding.BATCHES_PER_WORKER * 3 // 2
+    assert [workers.dataset[index] for index in range(3)] == [4, 2, 4]  # counts: the pixels stay where decoded
+    monkeypatch.setattr(decoding.os, "cpu_count", lambda: 2)
+    table = decoding.decode_table(encoded, size=24, batch_size=4, num_workers=1, repeats=1, gpu=False)
+    rate = {row["path"]: row for row in table.rows if "kept in the worker" in row["path"]}
+    one, every = rate[decoding.ONE_WORKER], rate[next(path for path in rate if "every core" in path)]
+    assert one["images_per_second"] > 0 and every["images_per_second"] > 0
+    assert every["cpu_cores_used"] == "2 worker processes, 1 thread each"
+    per_core = every["images_per_second"] / 2
+    assert every["note"].startswith(f"{per_core:,.0f} images/s per core: ")
+    assert f"{per_core / one['images_per_second']:.0%} of the 1-worker row's rate" in every["note"]
 
 
 def test_photo_jpegs_are_upscaled_grainy_and_reproducible(dataset):

@@ -4,8 +4,10 @@
 
     PIL                         one image at a time, Image.open + convert("RGB")
     decode_jpeg, CPU, batched   torchvision.io.decode_jpeg(list of tensors) (libjpeg-turbo)
-    decode_jpeg, every core     one image per call in os.cpu_count() DataLoader workers: all the CPU can
-                                do, the fair match for nvJPEG (skipped when num_workers=0)
+    decode_jpeg, 1 worker       batched calls in one DataLoader worker process, the pixels kept there
+    decode_jpeg, every core     the same in os.cpu_count() workers, at least BATCHES_PER_WORKER batches each:
+                                all the CPU can do, the fair match for nvJPEG, with its rate per core and its
+                                scaling over the 1-worker row (both skipped when num_workers=0)
     decode_jpeg, CUDA, batched  the same with device="cuda" (nvJPEG): a row that says
                                 "skipped: no GPU" where there is none, never a made-up figure
     v2 in DataLoader workers    decode + RandomResizedCrop + flip + ColorJitter per image, in workers
@@ -14,6 +16,11 @@
 torchvision decodes a list of JPEGs on the CPU one after another in one thread (a Python loop over
 libjpeg-turbo: CPU time equals wall time, measured), so the CPU decode_jpeg row is one thread whatever
 torch.get_num_threads() says; nvJPEG decodes the whole list in one batched call.
+
+The worker rows keep the decoded pixels in the workers (each returns how many images it decoded), as nvJPEG's
+stay on the GPU: shipping them would time the copy between processes, not the decoder (a 512×512 RGB image is
+0.8 MB; an earlier row that shipped every image gave each of 16 workers one batch of 1,024 images and moved ~0.8 GB
+per pass: 179 images/s per core against 440 for one thread, H100 machine, 2026-11-24).
 
 Published figures to hold these against (pytorch/vision#8496, an A100, JPEG photographs of 551×676 on
 average): batched decode_jpeg(device="cuda") decoded ~7,700 images/s in batches of 100 (~7,800/s in
@@ -120,17 +127,22 @@ class EncodedImages(Dataset):
         return self.transform(image), self.labels[index]
 
 
-class _DecodeOnly(Dataset):
-    """JPEG bytes decoded per image, nothing else: the CPU's share of what nvJPEG does for a batch."""
+BATCHES_PER_WORKER = 4  # batches each worker decodes per timed pass: one alone would time its start and its end
 
-    def __init__(self, encoded: Sequence[bytes]):
-        self.encoded = list(encoded)
+
+class _DecodedInWorker(Dataset):
+    """Item i: batch i mod len(batches) decoded in one batched call where the item is fetched (a worker), and only
+    the number of images sent back: the decoder's work alone, as nvJPEG's pixels stay on the GPU."""
+
+    def __init__(self, batches: Sequence[Sequence[bytes]], items: int):
+        self.batches, self.items = list(batches), items
+        self.images_per_pass = sum(len(self.batches[index % len(self.batches)]) for index in range(items))
 
     def __len__(self) -> int:
-        return len(self.encoded)
+        return self.items
 
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return decode_batch([self.encoded[index]])[0]
+    def __getitem__(self, index: int) -> int:
+        return len(decode_batch(self.batches[index % len(self.batches)]))
 
 
 def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -164,11 +176,13 @@ def _each(chunks, work, device: torch.device) -> None:
 
 
 class _PerImageInWorkers:
-    """Passes over a DataLoader that decodes and augments per image in `workers` processes; `warm_up()`
-    starts the workers just before this row is timed, so that their start-up is not in its rate."""
+    """Passes over a DataLoader that decodes (and augments) in `workers` processes; `warm_up()` starts the
+    workers just before this row is timed, so that their start-up is not in its rate. `images_per_pass`: the images
+    one pass decodes; batch_size None: each of the dataset's items is a whole batch already."""
 
-    def __init__(self, dataset: Dataset, batch_size: int, workers: int):
+    def __init__(self, dataset: Dataset, batch_size: int | None, workers: int):
         self.dataset, self.batch_size, self.workers = dataset, batch_size, workers
+        self.images_per_pass = getattr(dataset, "images_per_pass", len(dataset))
         self.loader = None
 
     def warm_up(self) -> None:
@@ -179,6 +193,28 @@ class _PerImageInWorkers:
 
     def __call__(self) -> list:
         return list(self.loader)
+
+    def close(self) -> None:
+        self.loader = None  # its persistent workers exit with it
+
+
+ONE_WORKER = "decode_jpeg, batched, 1 DataLoader worker, pixels kept in the worker"
+
+
+def _decoding_workers(chunks: list, workers: int) -> _PerImageInWorkers:
+    """Batched decoding in `workers` processes, at least BATCHES_PER_WORKER batches each per pass."""
+    return _PerImageInWorkers(_DecodedInWorker(chunks, max(len(chunks), BATCHES_PER_WORKER * workers)), None, workers)
+
+
+def _note_per_core(rows: list[dict], every_core: str, cores: int) -> None:
+    """The every-core row's rate per core, and its scaling: its rate ÷ (cores × the 1-worker row's rate)."""
+    rate = {row["path"]: row["images_per_second"] for row in rows if row["device"] == "cpu"}
+    if rate.get(every_core) and rate.get(ONE_WORKER):
+        per_core = rate[every_core] / cores
+        rows[[row["path"] for row in rows].index(every_core)]["note"] = (
+            f"{per_core:,.0f} images/s per core: {per_core / rate[ONE_WORKER]:.0%} of the 1-worker row's rate; "
+            f"at least {BATCHES_PER_WORKER} batches per worker"
+        )
 
 
 def decode_table(
@@ -205,11 +241,12 @@ def decode_table(
     chunks = [encoded[start : start + batch_size] for start in range(0, len(encoded), batch_size)]
     threads, workers, cores = torch.get_num_threads(), min(num_workers, os.cpu_count() or 1), os.cpu_count() or 1
     augment = "decode batched + transforms.v2 on the batch"
+    every_core = f"decode_jpeg, batched, {cores} DataLoader workers (every core), pixels kept in the workers"
     cases = [  # (path, device, CPU cores used, one pass over the images)
         ("PIL, one image at a time", "cpu", "1 process, 1 thread", lambda: [decode_pil(data) for data in encoded]),
         ("decode_jpeg, batched", "cpu", "1 process, 1 thread", lambda: [decode_batch(chunk) for chunk in chunks]),
-        (f"decode_jpeg per image, {cores} DataLoader workers (every core)", "cpu",
-         f"{cores} worker processes, 1 thread each", _PerImageInWorkers(_DecodeOnly(encoded), batch_size, cores)),
+        (ONE_WORKER, "cpu", "1 worker process, 1 thread", _decoding_workers(chunks, 1)),
+        (every_core, "cpu", f"{cores} worker processes, 1 thread each", _decoding_workers(chunks, cores)),
         ("decode_jpeg, batched", "cuda", "1 process", lambda: _each(chunks, lambda c: decode_batch(c, device), device)),
         (f"decode + transforms.v2 per image, {workers} DataLoader workers", "cpu",
          f"{workers} worker processes, 1 thread each",
@@ -223,17 +260,20 @@ def decode_table(
         decode_batch(encoded[:batch_size], device)  # initialise nvJPEG before timing
     skipped = "skipped: no GPU" if gpu is None else "skipped: gpu=False"
     rows = []
-    for path, where, cores, run in cases:
-        row = {"path": path, "device": where, "cpu_cores_used": cores if where == "cpu" or cuda else "-"}
+    for path, where, used, run in cases:
+        row = {"path": path, "device": where, "cpu_cores_used": used if where == "cpu" or cuda else "-"}
         if where == "cuda" and not cuda:
             rows.append(row | {"images_per_second": None, "note": skipped})
         elif num_workers == 0 and isinstance(run, _PerImageInWorkers) and run.workers > 0:
             rows.append(row | {"images_per_second": None, "note": "skipped: num_workers=0 (no worker processes)"})
         else:
             getattr(run, "warm_up", lambda: None)()
-            rows.append(row | {"images_per_second": _best_rate(run, len(encoded), repeats)})
+            images = getattr(run, "images_per_pass", len(encoded))
+            rows.append(row | {"images_per_second": _best_rate(run, images, repeats)})
+            getattr(run, "close", lambda: None)()  # worker processes end before the next row is timed
     for row in rows:
         row.setdefault("note", "")
+    _note_per_core(rows, every_core, cores)
     shape = decode_batch(encoded[:1])[0].shape
     return Table(
         rows,

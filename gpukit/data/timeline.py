@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..env import resolve_device
+from ..env import resolve_device, synchronize
 from ..precision import get_precision
 from ..step import Loss, TrainStep, split_batch, to_device
 from .prefetching import prefetch
@@ -133,7 +133,7 @@ def kernel_seconds(function: Callable[[], object], calls: int, device: torch.dev
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(calls):
             function()
-        torch.cuda.synchronize(device)
+        synchronize(device)  # CUDA's wait; on any other device nothing to wait for, and no kernel is seen
     kernels = _intervals(profiler.events(), calls, str(device), None).rows.get("compute", [])
     busy = sum(end - start for start, end in _merge(kernels))  # milliseconds
     return busy / 1e3 if busy > 0 else None

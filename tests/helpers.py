@@ -28,6 +28,12 @@ def tiny_gpt(seed: int = 0, vocab_size: int = 256, **sizes) -> nn.Module:
     return gk.models.gpt(vocab_size, **({"max_seq_len": 32, "width": 32, "depth": 2, "heads": 2} | sizes))
 
 
+def small_mlp(seed: int = 0) -> nn.Module:
+    """An MLP from 6 features to 4 classes, the same weights for the same seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
 def images(batch: int, size: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import CausalLM, tiny_gpt, tokens
+from helpers import CausalLM, small_mlp, tiny_gpt, tokens
 from torch import nn
 from torch.nn import functional as F
 
@@ -408,11 +408,6 @@ def test_checks_on_cuda():
 
 # ---------------------------------------------------------------------------------------------
 # An optimizer built for another model's parameters (issue "Never lose or corrupt a run", 6)
-
-
-def small_mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])

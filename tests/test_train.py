@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 import gpukit as gk
 from gpukit.data import DeviceLoader, ImageDataset, TextLoader, shapes
 from gpukit.env import PROFILES
-from tests.helpers import CausalLM, tiny_gpt
+from tests.helpers import CausalLM, small_mlp, tiny_gpt
 
 matplotlib.use("Agg")  # figures are drawn, never shown
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -925,11 +925,6 @@ def interrupted_at(step: int):
         return optimizer
 
     return build
-
-
-def small_mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])

@@ -10,6 +10,7 @@ by side.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,13 +48,16 @@ def measure(
     warmup: int = 2,
     repeats: int = 10,
     variant: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[InferenceRow]:
     """Time `model(make_input(b))` for every batch size b, in eval mode under torch.inference_mode.
 
     `make_input(b)` returns a batch of b examples (on any device; it is moved to `device`). The model is
     used as given (copy it first if it must stay in training mode or in its layout): it is put in eval
     mode, moved to `device`, converted to channels_last if asked, and compiled once if asked (the first
-    calls of each new shape compile, so `warmup` must cover them: at least 2 with compile).
+    calls of each new shape compile, so `warmup` must cover them: at least 2 with compile). `clock` as in
+    gk.bench.timeit: time.thread_time on a busy CPU with one thread (a wall clock there makes long calls lose
+    more to other jobs than short ones, and so the gain of a large batch shrinks with the load).
     """
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}.")
@@ -78,5 +82,5 @@ def measure(
 
         calls[batch_size] = forward
     # Interleaved (1, 8, 64, 1, 8, 64, ...): drift and other load affect every batch size alike.
-    timings = compare(calls, device=device, warmup=warmup, repeats=repeats)
+    timings = compare(calls, device=device, warmup=warmup, repeats=repeats, clock=clock)
     return [InferenceRow(name, b, t.median, b / t.median, t.iqr, t.min) for b, t in timings.items()]

@@ -50,6 +50,14 @@ def test_each_batch_size_is_timed_in_eval_mode_without_autograd():
         assert 0 < row.best <= row.latency and row.throughput == pytest.approx(row.batch_size / row.latency)
 
 
+def test_the_clock_given_times_every_call():
+    """A clock whose readings are 1 s apart: each timed call takes 1 s by it, whatever the work (the default wall
+    clock would give milliseconds), so the clock reaches the timing."""
+    ticks = iter(range(10**6))
+    rows = inference.measure(Recorder(), images, [1, 4], device=CPU, warmup=0, repeats=3, clock=lambda: next(ticks))
+    assert [(row.best, row.latency) for row in rows] == [(1, 1), (1, 1)]
+
+
 def test_precision_and_layout_reach_the_model():
     model = Recorder()
     [row] = inference.measure(model, images, [2], precision="bf16-mixed", channels_last=True, device=CPU, repeats=2)

@@ -549,6 +549,16 @@ def _measure(model, sample, flops, optimizer, precision, device, loss_fn, repeat
         torch.set_num_threads(threads)
 
 
+def _prediction_noise(timings: dict, small: int, large: int, size: int) -> float:
+    """The standard error of check["error"] that the timings' own spread explains: each median's standard error
+    (Timing.median_error) carried through the line (predicted = a·small's + b·large's median) and the measured
+    step, relative. Quiet machine: ~0.01; a busy one 0.1 or more: a bound on the error should widen with it."""
+    a, b = (large - size) / (large - small), (size - small) / (large - small)
+    predicted = a * timings[small].median + b * timings[large].median
+    line_error = math.hypot(a * timings[small].median_error, b * timings[large].median_error) / predicted
+    return math.hypot(line_error, timings[size].median_error / timings[size].median)
+
+
 def _measure_here(model, sample, flops, optimizer, precision, device, loss_fn, repeats):
     """Steps timed at the two calibration sizes give a line, time = fixed + batch × per example; its slope's
     FLOP rate against the peak is the MFU. The line predicts a step at the sample's batch, which is timed
@@ -569,7 +579,8 @@ def _measure_here(model, sample, flops, optimizer, precision, device, loss_fn, r
     small, large = calibration_sizes(size)
     batches = {b: to_device(repeated(sample, b), device) for b in (small, large, size)}
     steps = {b: (lambda b=b: step(batches[b])) for b in batches}
-    seconds = {b: timing.median for b, timing in compare(steps, device=device, repeats=repeats, clock=clock).items()}
+    timings = compare(steps, device=device, repeats=repeats, clock=clock)
+    seconds = {b: timing.median for b, timing in timings.items()}
     per_example = (seconds[large] - seconds[small]) / (large - small)
     fixed = seconds[small] - small * per_example  # per step whatever the batch: dispatch, launches, optimizer
     predicted = fixed + size * per_example  # seconds[size] is not used
@@ -589,6 +600,7 @@ def _measure_here(model, sample, flops, optimizer, precision, device, loss_fn, r
         "predicted ms": predicted * 1e3,
         "measured ms": seconds[size] * 1e3,
         "error": predicted / seconds[size] - 1,
+        "noise": _prediction_noise(timings, small, large, size),
     }
     source = f"measured for this model on {name} in {precision}: {how}, against {peak:.3g} TFLOP/s"
     return mfu_value, source, check

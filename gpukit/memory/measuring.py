@@ -304,7 +304,7 @@ def _parts_at_peak(alive: dict[int, int], owners: dict[str, set[int]]) -> dict[s
     return parts
 
 
-def _cublas_workspace_bytes() -> int:
+def cublas_workspace_bytes() -> int:
     """One cuBLAS (and cuBLASLt) workspace, which PyTorch takes from the caching allocator per thread and stream."""
     sizes = (
         getattr(torch._C, name, lambda: 0)
@@ -385,7 +385,7 @@ def breakdown(
             "source": "measured on CUDA: torch.cuda.max_memory_allocated",
             "allocator_cache": torch.cuda.max_memory_reserved(device) - peak_allocated,
             "allocated_timeline": list(tracker.allocator_samples),
-            "allocator_slack": tracker.most_storages * CUDA_UNSPLIT + 2 * _cublas_workspace_bytes(),
+            "allocator_slack": tracker.most_storages * CUDA_UNSPLIT + 2 * cublas_workspace_bytes(),
         }
     return measured.result(
         tracker,

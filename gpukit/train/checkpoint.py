@@ -378,8 +378,9 @@ def _trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[s
 def _check_same_trained(state: dict, model: torch.nn.Module, optimizer, path: Path) -> None:
     """Refuse a resume after parameters were frozen or unfrozen (requires_grad) since the save, naming them."""
     now = _trained(model, optimizer)
-    saved = state.get("trained")  # (not in the files of before it was saved: then the count tells)
-    saved_count = sum(len(group["params"]) for group in state["optimizer"]["param_groups"])
+    saved = state.get("trained")  # (not in the files of before it was saved: then torch's optimizers' count tells)
+    saved_groups = state["optimizer"].get("param_groups", [{"params": now}])  # (gpukit's Muon saves two optimizers)
+    saved_count = sum(len(group["params"]) for group in saved_groups)
     if (set(saved) == set(now)) if saved is not None else len(now) == saved_count:
         return  # (the same set in another order: another optimizer's groups, which _check names)
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]

@@ -19,6 +19,7 @@ reads the file as it is, so the weights stay readable without gpukit.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import pickle
@@ -51,7 +52,8 @@ _LAYOUT = {  # the plan's entries that a resume must keep, as a message names th
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be resumed: damaged, truncated, or not the run this call describes."""
+    """A checkpoint cannot be resumed (damaged, truncated, or not the run this call describes), or cannot be saved
+    (a full or read-only disk): the message names the cause, what to do, and the save kept."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def _trailer(digest: bytes, size: int) -> bytes:
     return b"\ngpukit-checkpoint %d sha256=%s bytes=%016d\n" % (FORMAT, digest.hex().encode(), size)
 
 
-_TRAILER = re.compile(rb"\ngpukit-checkpoint (\d) sha256=([0-9a-f]{64}) bytes=(\d{16})\n")
+_TRAILER = re.compile(rb"\ngpukit-checkpoint (\d+) sha256=([0-9a-f]{64}) bytes=(\d{16})\n\Z")
 _TRAILER_LENGTH = len(_trailer(bytes(32), 0))
 _END_OF_ZIP = b"PK\x05\x06"  # how the bytes of torch.save end (the zip's last record, 22 bytes, no comment)
 
@@ -72,11 +74,16 @@ class _Hashing:
 
     def __init__(self, file):
         self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+        self.error: OSError | None = None  # a failed write (a full disk), which torch may re-raise as a RuntimeError
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -91,7 +98,12 @@ def write_checkpoint(state: dict, path: Path) -> None:
 
     def write(file) -> None:
         hashing = _Hashing(file)
-        torch.save(state, hashing)
+        try:
+            torch.save(state, hashing)
+        except RuntimeError:
+            if hashing.error is None:
+                raise
+            raise hashing.error from None  # the disk's own error (ENOSPC, EROFS), not torch's "unexpected pos"
         file.write(_trailer(hashing.sha256.digest(), hashing.size))
 
     remove_stale_temporaries(path)
@@ -102,12 +114,22 @@ def read_checkpoint(path: Path) -> dict:
     """The state in `path`, its checksum verified first; any fault is a CheckpointError that names the file."""
     remove_stale_temporaries(path)  # a save killed mid-write left them; they are never read
     where = f"cannot resume from {path}"
+    if Path(path).is_dir():
+        raise CheckpointError(
+            f"{where}: it is a folder, where gpukit saves the run as a file of that name; move or rename the folder "
+            "(gpukit never deletes it), or pass another checkpoint_dir."
+        )
     try:
         data = Path(path).read_bytes()
     except OSError as error:
         raise CheckpointError(f"{where}: {error}.") from error
     afresh = "delete it (or pass a new checkpoint_dir) to start afresh, or restore it from a copy"
-    match = _TRAILER.fullmatch(data[-_TRAILER_LENGTH:])
+    if not data:
+        raise CheckpointError(
+            f"{where}: it is empty (0 bytes): something other than gpukit's saves, which never leave a partial file, "
+            f"cut it short (a copy, a full disk); {afresh}."
+        )
+    match = _TRAILER.search(data, max(0, len(data) - _TRAILER_LENGTH - 8))  # (a format number of up to 9 digits)
     if match is None and data[-22:].startswith(_END_OF_ZIP):
         raise CheckpointError(
             f"{where}: it was written by an earlier gpukit, without a checksum or the data's order, and cannot be "
@@ -118,7 +140,13 @@ def read_checkpoint(path: Path) -> dict:
             f"{where}: it is truncated, or no gpukit checkpoint: its {len(data):,} bytes do not end with the "
             f"checksum line gpukit writes last; {afresh}."
         )
-    size, payload = int(match[3]), memoryview(data)[: len(data) - _TRAILER_LENGTH]
+    size, payload = int(match[3]), memoryview(data)[: match.start()]
+    if int(match[1]) > FORMAT:
+        raise CheckpointError(
+            f"{where}: a newer gpukit wrote it (checkpoint format {int(match[1])}; this gpukit reads up to {FORMAT}). "
+            "Upgrade gpukit to the version that wrote it (or a later one) to resume it, or pass a new checkpoint_dir "
+            "to start afresh and keep this file as it is."
+        )
     if int(match[1]) != FORMAT:
         raise CheckpointError(f"{where}: it is in format {int(match[1])}, this gpukit reads {FORMAT}; {afresh}.")
     if size != len(payload) or hashlib.sha256(payload).hexdigest() != match[2].decode():
@@ -300,7 +328,7 @@ def _shape(value) -> tuple:
 
 
 def _check_same_model(saved: dict, model: dict, path: Path) -> None:
-    """Refuse, before a tensor is copied, weights whose names or shapes differ from the model's."""
+    """Refuse, before a tensor is copied, weights whose names, shapes or dtypes differ from the model's."""
     differences = [f"{name} is not in the file" for name in model.keys() - saved.keys()]
     differences += [f"{name} is not in this model" for name in saved.keys() - model.keys()]
     differences += [
@@ -313,6 +341,63 @@ def _check_same_model(saved: dict, model: dict, path: Path) -> None:
             f"cannot resume from {path}: it holds another model's weights ({'; '.join(sorted(differences)[:3])}"
             f"{'; ...' if len(differences) > 3 else ''}); pass the model it was trained with, or a new checkpoint_dir."
         )
+    dtypes = {  # load_state_dict would cast them without a word: the run would not go on as saved
+        name: (saved[name].dtype, tensor.dtype)
+        for name, tensor in model.items()
+        if torch.is_tensor(tensor) and torch.is_tensor(saved[name]) and saved[name].dtype != tensor.dtype
+    }
+    if dtypes:
+        name, (there, here) = next(iter(dtypes.items()))
+        raise CheckpointError(
+            f"cannot resume from {path}: its weights are {there} and this model's are {here} ({name}, and "
+            f"{len(dtypes) - 1} more); convert the model back (model.to({there})) to resume the run saved there, or "
+            "pass a new checkpoint_dir."
+        )
+
+
+_ENTRIES = ("epoch", "step", "position", "plan", "settings", "optimizer_groups", "schedule_start", "model")
+_ENTRIES += ("optimizer", "scheduler", "precision", "history", "ranks")  # what fit saves, all read on resume
+
+
+def _check_entries(state, path: Path) -> None:
+    missing = [name for name in _ENTRIES if name not in state] if isinstance(state, dict) else list(_ENTRIES)
+    if missing:
+        raise CheckpointError(
+            f"cannot resume from {path}: it is intact but lacks what fit saves ({', '.join(missing)}), so another "
+            "program wrote it (gk.fit's saves hold them all); pass a new checkpoint_dir to start afresh and keep it, "
+            "or load what it holds with torch.load."
+        )
+
+
+def _trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the parameters `optimizer` updates, in its order (what its saved state is indexed by)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    return [names.get(id(parameter), "?") for group in optimizer.param_groups for parameter in group["params"]]
+
+
+def _check_same_trained(state: dict, model: torch.nn.Module, optimizer, path: Path) -> None:
+    """Refuse a resume after parameters were frozen or unfrozen (requires_grad) since the save, naming them."""
+    now = _trained(model, optimizer)
+    saved = state.get("trained")  # (not in the files of before it was saved: then torch's optimizers' count tells)
+    saved_groups = state["optimizer"].get("param_groups", [{"params": now}])  # (gpukit's Muon saves two optimizers)
+    saved_count = sum(len(group["params"]) for group in saved_groups)
+    if (set(saved) == set(now)) if saved is not None else len(now) == saved_count:
+        return  # (the same set in another order: another optimizer's groups, which _check names)
+    frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
+    if saved is not None:
+        dropped = [name for name in saved if name not in now]
+        changes = [f"{name} was trained, is {'frozen' if name in frozen else 'left out'} now" for name in dropped]
+        changes += [f"{name} is trained now, was not" for name in now if name not in saved]
+    else:
+        changes = [f"{saved_count} parameters were trained, {len(now)} are now"] + [
+            f"{name} is frozen" for name in frozen
+        ]
+    raise CheckpointError(
+        f"cannot resume from {path}: the set of trainable parameters changed since the save ({'; '.join(changes[:4])}"
+        f"{'; ...' if len(changes) > 4 else ''}): a layer frozen or unfrozen (requires_grad), so the saved optimizer "
+        "state fits other parameters. Set requires_grad as it was to resume that run; or, to train the new set from "
+        f"its weights, model.load_state_dict(torch.load({str(path)!r})['model']) and pass a new checkpoint_dir."
+    )
 
 
 def _length_refusal(step: int, saved_total: int | None, total: int | None) -> str:
@@ -359,6 +444,7 @@ class Checkpointer:
         self.epoch_start = None  # the state the current epoch's order came from (for saves within it)
         self.writer = None  # a BackgroundWriter (fit's save_in_background=True), else saves block until written
         self.last_good = None  # (epoch counted from 1, optimizer step) of the save last.pt holds, if any
+        self.kept_if_in_flight_fails = None  # last_good before the save being written in the background
         self.release = None  # lets the folder go (lock_folder), once this run holds it
 
     def hold(self) -> None:
@@ -371,8 +457,7 @@ class Checkpointer:
     def let_go(self) -> None:
         """Wait for a save in flight, then let the folder go (fit calls it however it ends)."""
         try:
-            if self.writer is not None:
-                self.writer.wait()
+            self.wait_for_writer()
         finally:
             release, self.release = self.release, None
             if release is not None:
@@ -392,13 +477,22 @@ class Checkpointer:
             return 0, 0
         state = read_checkpoint(self.path)
         optimizer = run.step.optimizer
+        _check_entries(state, self.path)
+        _check_same_model(state["model"], run.model.state_dict(), self.path)
+        _check_same_trained(state, run.model, optimizer, self.path)
         extend = self._check(state, optimizer)
+        trained = _trained(run.model, optimizer)
+        if state.get("trained", trained) != trained:  # (the same set, _check_same_trained made sure; _check the groups)
+            raise CheckpointError(
+                f"cannot resume from {self.path}: the optimizer takes the model's parameters in another order than "
+                "at the save, so its saved state would go to the wrong ones; build it as it was built for the run "
+                "saved there (the same parameters and groups, in the same order), or pass a new checkpoint_dir."
+            )
         peaks = [group.get("max_lr", group.get("initial_lr", group["lr"])) for group in optimizer.param_groups]
         self.schedule_start = state["step"] if extend else state["schedule_start"]
         remaining = None if run.total_steps is None else run.total_steps - self.schedule_start
         if self.schedule_start and not extend:  # an extended run: its schedule spans the steps after the extension
             run.scheduler = _new_schedule(optimizer, peaks, build_schedule, remaining)
-        _check_same_model(state["model"], run.model.state_dict(), self.path)
         try:
             run.model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -494,6 +588,7 @@ class Checkpointer:
                 "plan": self.plan,
                 "settings": self.settings,
                 "optimizer_groups": _hyperparameters(run.step.optimizer),
+                "trained": _trained(run.model, run.step.optimizer),
                 "schedule_start": self.schedule_start,
                 "model": run.model.state_dict(),
                 "optimizer": run.step.optimizer.state_dict(),
@@ -502,12 +597,45 @@ class Checkpointer:
                 "history": {name: getattr(history, name) for name in _HISTORY_FIELDS},
                 "ranks": ranks,
             }
-            if self.writer is not None:
-                self.writer.save(state, self.path)
-            else:
-                write_checkpoint(state, self.path)
+            self._write(state)
         self.last_good = (epoch + (position > 0), run.step_index)
         distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
+
+    def _write(self, state: dict) -> None:
+        """Write `state` over last.pt: now, or in the background (save_in_background), where a write that failed is
+        raised at the next save or at the end. Either way an OSError becomes a CheckpointError naming the save kept."""
+        if self.writer is None:
+            try:
+                write_checkpoint(state, self.path)
+            except OSError as error:
+                raise self._save_failed(error) from error
+        else:
+            self.wait_for_writer()  # (the writer waits too; here its error is said with the save it left)
+            self.writer.save(state, self.path)
+            self.kept_if_in_flight_fails = self.last_good
+
+    def wait_for_writer(self) -> None:
+        """Block until a save in the background is on disk; raise a CheckpointError if it failed on the disk."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait()
+        except RuntimeError as error:
+            if not isinstance(error.__cause__, OSError):
+                raise
+            self.last_good = self.kept_if_in_flight_fails  # last.pt holds the save before the one that failed
+            raise self._save_failed(error.__cause__) from error.__cause__
+
+    def _save_failed(self, error: OSError) -> CheckpointError:
+        """The error a save that the disk refused is: its cause, the save last.pt keeps, and what to do."""
+        cause, fix = _SAVE_FAILURES.get(error.errno, (f"the write failed ({error})", "fix that"))
+        kept, again = f"{self.last_good_save()}, untouched", "resume from that save"
+        if self.last_good is None:
+            kept, again = "nothing was saved there before", "start the run again"
+        return CheckpointError(
+            f"cannot save the run in {self.path.parent}: {cause}; {kept}. To go on, {fix} (or copy the folder to "
+            f"another disk), then call fit again with that folder as checkpoint_dir to {again}."
+        )
 
     def last_good_save(self) -> str:
         """Where the last save that holds a finite state is, said for an error message."""
@@ -542,6 +670,15 @@ class Checkpointer:
             "tally": None if tally is None else _sums_state(tally, _TALLY_FIELDS),
             "window": None if window is None else _sums_state(window, _WINDOW_FIELDS),
         }
+
+
+_SAVE_FAILURES = {  # errno: (what the disk said, what to do about it)
+    errno.ENOSPC: ("the disk is full (no space left on device)", "free space on that disk"),
+    getattr(errno, "EDQUOT", None): ("your disk quota is used up", "free space within your quota"),  # (not on Windows)
+    errno.EROFS: ("the filesystem is read-only (a disk error can turn it so: see dmesg)", "remount it writable"),
+    errno.EACCES: ("permission was denied", "make the folder writable for this user"),
+    errno.EIO: ("the disk reported an input/output error", "check the disk (dmesg)"),
+}
 
 
 def _every_rank(value) -> list:

@@ -18,8 +18,10 @@ would. One forward of a two-example batch (or of a loader's first batch) costs l
 
 from __future__ import annotations
 
+import errno
 import numbers
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -32,6 +34,7 @@ from torch.utils.data import Dataset
 
 from .. import distributed
 from ..precision import Precision
+from ..report import format_bytes
 from ..step import Batch, Loss, describe_value, training_mode, unpack_outputs
 from .data import as_loader, batch_on_device
 from .tally import Tally
@@ -56,6 +59,7 @@ def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -
         check_optimizer_parameters(model, optimizer)
     if distributed.is_main():  # the one rank that writes checkpoints
         check_checkpoint_dir(checkpoint_dir)
+        check_room_for_saves(model, checkpoint_dir)
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -94,6 +98,12 @@ def check_checkpoint_dir(checkpoint_dir, name: str = "checkpoint_dir") -> None:
             f"{name} must be a folder path (a str or Path), got {checkpoint_dir!r} (a {type(checkpoint_dir).__name__})."
         )
     folder = Path(checkpoint_dir)
+    link = _broken_link(folder)
+    if link is not None:
+        raise ValueError(
+            f"{name} {str(folder)!r} cannot be used: {link}; point the link at an existing folder (or create the "
+            "folder it names), or pass another folder path."
+        )
     if folder.exists() and not folder.is_dir():
         raise ValueError(
             f"{name} {str(folder)!r} is a file, not a folder; pass a folder path (last.pt is saved inside it)."
@@ -108,6 +118,37 @@ def check_checkpoint_dir(checkpoint_dir, name: str = "checkpoint_dir") -> None:
             f"{name} {str(folder)!r} cannot be written: {error.strerror or error}{where}; pass a folder you "
             "can write to (a part of its path that is a file, or a read-only disk, gives this)."
         ) from error
+
+
+def _broken_link(folder: Path) -> str | None:
+    """The first part of `folder`'s path that is a symbolic link leading nowhere (to nothing, or round in a loop),
+    said for a message; None if there is none. mkdir would say only "File exists" for it."""
+    for part in [*reversed(folder.parents), folder]:  # from the root down: below a broken link nothing resolves
+        if not part.is_symlink():
+            continue
+        try:
+            part.stat()
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                return f"{part} is a symbolic link in a loop (it leads back to itself)"
+            return f"{part} is a symbolic link to {os.readlink(part)}, which does not exist"
+    return None
+
+
+def check_room_for_saves(model: nn.Module, checkpoint_dir) -> None:
+    """Refuse, before any work, a checkpoint_dir whose disk has less room than the model's weights alone: every save
+    would fail (a save holds the weights and buffers, and the optimizer's state besides)."""
+    if checkpoint_dir is None:
+        return
+    tensors = [tensor for tensor in [*model.parameters(), *model.buffers()] if not nn.parameter.is_lazy(tensor)]
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in tensors)  # bytes
+    free = shutil.disk_usage(checkpoint_dir).free  # bytes; the folder exists (check_checkpoint_dir made it)
+    if free < weights:
+        raise ValueError(
+            f"checkpoint_dir {str(checkpoint_dir)!r} is on a disk with {format_bytes(free)} free, and every save "
+            f"needs more than the model's weights alone, {format_bytes(weights)}: free space on that disk, or pass "
+            "a checkpoint_dir on another disk."
+        )
 
 
 def check_eval_data(

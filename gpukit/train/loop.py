@@ -425,12 +425,13 @@ class _Run:
         )
 
     def finish(self, options: ModelOptions) -> None:
-        """However fit ends: the model as it came (options.undo waits for a save in flight), the folder let go."""
+        """However fit ends: the save in flight on disk (or its failure named with the save kept), the folder let go,
+        the model as it came."""
         try:
-            options.undo()
-        finally:
             if self.checkpoint is not None:
                 self.checkpoint.let_go()
+        finally:
+            options.undo()
 
     def close(self) -> None:
         if self.watcher is not None:

@@ -15,12 +15,17 @@ A *batch* is what a loader yields. Accepted forms:
                            detection form, images a list of (C, H, W) tensors and targets
                            [{"boxes": (N, 4), "labels": (N,)}, …] → model(inputs, targets), as you
                            would call it: such a model takes its targets and computes its own losses
+    an object that moves itself  with a .to(device) method that returns it moved, such as
+                           torch_geometric's DataBatch → model(batch), passed whole; its `y`, if a
+                           tensor, is the target
 
-Every tensor is moved to the device, inside lists, tuples and dicts too, element by element.
+Every tensor is moved to the device, inside lists, tuples and dicts too, element by element; an
+object that moves itself is moved by its own .to(device). Samples are counted by the target's first
+dimension where there is a target (8 graphs, not their 300 nodes), else by the first tensor's.
 
 The model may return anything: a tensor, a tuple or list (a VAE's (recon, mu, logvar)), a dict
-(torchvision's segmentation models return {"out": …, "aux": …}) or an object with attributes (a
-Hugging Face ModelOutput). Its *prediction*, found by `unpack_outputs` (the one place that looks
+(torchvision's segmentation models return {"out": …, "aux": …}), a dataclass (read as the dict of
+its fields) or an object with attributes (a Hugging Face ModelOutput). Its *prediction*, found by `unpack_outputs` (the one place that looks
 inside outputs), is the tensor itself; a dict's or object's `logits`, else its `out`; or the first
 tensor of a tuple or list. Its own loss is a dict's or object's `loss`, or the sum of a dict of
 scalar tensors (a torchvision detector's losses in training mode, {"loss_classifier": …, …}):
@@ -49,6 +54,7 @@ loss_fn gets the tuple (a VAE's reconstruction is no class scores), and never fr
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -85,7 +91,8 @@ BATCH_FORMS = (
     "(inputs, target) with inputs a tensor, a tuple/list of tensors or a dict of tensors; "
     "(*inputs, target) with three or more tensors; a dict of tensors passed as model(**batch), "
     "whose 'labels' entry is the target; or (images, targets) with targets a list of dicts, one per example "
-    "(torchvision's detection form), passed as model(images, targets)"
+    "(torchvision's detection form), passed as model(images, targets); or an object with a .to(device) method "
+    "that returns it moved (torch_geometric's DataBatch), passed whole as model(batch), whose .y is the target"
 )
 
 
@@ -97,10 +104,11 @@ BATCH_FORMS = (
 class Batch:
     """A batch split into what the model is called with and what its output is compared to.
 
-    size:  examples in the batch (the first dimension of its first tensor; in the detection form, the
-           number of per-example targets).
+    size:  examples in the batch (the first dimension of its target, else of its first tensor; in the
+           detection form, the number of per-example targets).
     target_to_model: the model is called with the target as its last argument, model(*args, target):
            the detection form, whose model computes its own losses from its targets.
+    moves_itself: args is one object that moves itself (.to(device)), such as torch_geometric's DataBatch.
     """
 
     args: tuple
@@ -108,6 +116,7 @@ class Batch:
     target: torch.Tensor | list | None
     size: int
     target_to_model: bool = False
+    moves_itself: bool = False
 
     def call(self, model: Callable):
         if self.target_to_model:
@@ -115,11 +124,17 @@ class Batch:
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the batch, inside lists, tuples and dicts too."""
+        """Every tensor of the batch, inside lists, tuples and dicts too (and an object's that moves itself)."""
+        if self.moves_itself:
+            return [value for value in _attributes(self.args[0]).values() if isinstance(value, torch.Tensor)]
         return [t for t in tree_leaves((self.args, self.kwargs, self.target)) if isinstance(t, torch.Tensor)]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        """The same batch with `fn` applied to every tensor in it, inside lists, tuples and dicts too."""
+        """The same batch with `fn` applied to every tensor in it, inside lists, tuples and dicts too. An object
+        that moves itself is mapped by its own `apply` (torch_geometric's), on a copy; without one it is kept."""
+        if self.moves_itself:
+            carrier = self.args[0]
+            return split_batch(copy.copy(carrier).apply(fn) if callable(getattr(carrier, "apply", None)) else carrier)
         args, kwargs, target = tree_map(
             lambda x: fn(x) if isinstance(x, torch.Tensor) else x, (self.args, self.kwargs, self.target)
         )
@@ -169,6 +184,17 @@ class Batch:
     def count_tokens(self) -> torch.Tensor | None:
         """Scored target tokens (not IGNORE_INDEX), as a 0-d tensor on the device; None if not a sequence."""
         return (self.target != IGNORE_INDEX).sum() if self.is_sequence else None
+
+
+def _attributes(value) -> dict:
+    """An object's attributes by name: torch_geometric's to_dict(), else its __dict__."""
+    to_dict = getattr(value, "to_dict", None)
+    return dict(to_dict()) if callable(to_dict) else dict(getattr(value, "__dict__", {}))
+
+
+def _moves_itself(value) -> bool:
+    """An object batch that moves itself to a device (.to(device)): not a tensor, dict, list or tuple."""
+    return not isinstance(value, (torch.Tensor, Mapping, tuple, list)) and callable(getattr(value, "to", None))
 
 
 def _leaves(value) -> list:
@@ -233,13 +259,24 @@ def split_batch(batch) -> Batch:
     """Split a batch of any accepted form (see the module docstring) into inputs and target."""
     if isinstance(batch, Batch):
         return batch
+    if _moves_itself(batch):  # torch_geometric's DataBatch: model(batch), its .y the target
+        target = getattr(batch, "y", None)
+        target = target if isinstance(target, torch.Tensor) else None
+        size = target.shape[0] if target is not None and target.dim() else getattr(batch, "num_graphs", None)
+        if not isinstance(size, int):
+            raise TypeError(
+                f"the batch is a {type(batch).__name__} without a target to count its samples by: give it a tensor "
+                "`y` (one row per sample) or an int `num_graphs`, or yield (inputs, target) tuples."
+            )
+        return Batch((batch,), {}, target, size, moves_itself=True)
     if isinstance(batch, Mapping):
         if not any(isinstance(value, torch.Tensor) for value in batch.values()):
             raise TypeError(
                 f"the batch is a dict without tensors ({_describe(batch)}); the accepted forms are {BATCH_FORMS}."
             )
         target = batch.get("labels")
-        return Batch((), dict(batch), target if isinstance(target, torch.Tensor) else None, _size(batch))
+        target = target if isinstance(target, torch.Tensor) else None
+        return Batch((), dict(batch), target, _size(batch, target))
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         *inputs, target = batch
         if is_list_of_dicts(target) and len(inputs) == 1:  # detection: model(images, targets)
@@ -252,14 +289,20 @@ def split_batch(batch) -> Batch:
         if len(inputs) == 1:
             (inputs,) = inputs
             if isinstance(inputs, torch.Tensor):
-                return Batch((inputs,), {}, target, _size(batch))
+                return Batch((inputs,), {}, target, _size(batch, target))
             if isinstance(inputs, Mapping):
-                return Batch((), dict(inputs), target, _size(batch))
+                return Batch((), dict(inputs), target, _size(batch, target))
             if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, torch.Tensor) for x in inputs):
-                return Batch(tuple(inputs), {}, target, _size(batch))
+                return Batch(tuple(inputs), {}, target, _size(batch, target))
         elif all(isinstance(x, torch.Tensor) for x in inputs):
-            return Batch(tuple(inputs), {}, target, _size(batch))
-    raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.")
+            return Batch(tuple(inputs), {}, target, _size(batch, target))
+    hint = ""
+    if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):  # an object batch that cannot move itself
+        hint = (
+            f" A {type(batch).__name__} is passed whole as model(batch) once it has a .to(device) method that returns "
+            "it moved and its target as .y; or yield (inputs, target) tuples (a DataLoader's collate_fn can build them)."
+        )
+    raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.{hint}")
 
 
 def _collate_hint(target) -> str:
@@ -273,7 +316,10 @@ def _collate_hint(target) -> str:
     )
 
 
-def _size(batch) -> int:
+def _size(batch, target: torch.Tensor | None = None) -> int:
+    """Samples: the target's first dimension (a graph batch's 8 graphs, not its 300 nodes), else the first tensor's."""
+    if target is not None and target.dim():
+        return target.shape[0]
     size = _first_dimension(batch)
     if size is None:
         raise TypeError(
@@ -283,7 +329,10 @@ def _size(batch) -> int:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of the batch on `device`; non-blocking, so a copy from pinned memory overlaps compute."""
+    """Every tensor of the batch on `device`; non-blocking, so a copy from pinned memory overlaps compute. An object
+    that moves itself is moved by its own .to(device)."""
+    if batch.moves_itself:
+        return split_batch(batch.args[0].to(device))
     return batch.map(lambda tensor: tensor.to(device, non_blocking=True))
 
 

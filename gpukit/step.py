@@ -78,6 +78,7 @@ __all__ = [
     "is_list_of_dicts",
     "loss_parts",
     "mean_squared_error",
+    "named_outputs",
     "only_losses",
     "split_batch",
     "to_device",
@@ -236,6 +237,9 @@ def describe_value(value) -> str:
         return f"a {kind} of " + (items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}")
     if isinstance(value, Mapping):
         return f"a dict with keys {', '.join(map(repr, list(value)[:8]))}"
+    fields = _fields(value)
+    if fields is not None:
+        return f"a dataclass {type(value).__name__} with fields {', '.join(map(repr, list(fields)[:8]))}"
     return f"a {type(value).__name__}"
 
 
@@ -347,15 +351,35 @@ def unpack_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return outputs, None
     if isinstance(outputs, (tuple, list)):
         return next((item for item in outputs if isinstance(item, torch.Tensor)), None), None
-    if isinstance(outputs, Mapping):  # a dict, or a Hugging Face ModelOutput (an OrderedDict)
-        losses = _dict_of_losses(outputs)
+    fields = _fields(outputs)
+    if fields is not None:  # a dict, a Hugging Face ModelOutput (an OrderedDict), a dataclass
+        losses = _dict_of_losses(fields)
         if losses and "loss" not in losses:  # a detector's {"loss_classifier": …, "loss_box_reg": …}
             return None, sum(losses.values())
-        found = outputs.get("logits"), outputs.get("out"), outputs.get("loss")
+        found = fields.get("logits"), fields.get("out"), fields.get("loss")
     else:
         found = (getattr(outputs, name, None) for name in ("logits", "out", "loss"))
     logits, out, loss = (value if isinstance(value, torch.Tensor) else None for value in found)
     return (logits if logits is not None else out), loss
+
+
+def _fields(outputs) -> Mapping | None:
+    """Outputs read by name: a dict or ModelOutput as it is, a dataclass as the dict of its fields; else None."""
+    if isinstance(outputs, Mapping):
+        return outputs
+    if dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
+        return {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
+    return None
+
+
+def named_outputs(outputs) -> list[tuple[str, object]]:
+    """The parts of a tuple, list, dict or dataclass the model returned, each with how to read it from `outputs`:
+    "[1]", "['aux_loss']", ".aux_loss"; empty for other outputs."""
+    if isinstance(outputs, (tuple, list)):
+        return [(f"[{index}]", value) for index, value in enumerate(outputs)]
+    if isinstance(outputs, Mapping):
+        return [(f"[{key!r}]", value) for key, value in outputs.items()]
+    return [(f".{name}", value) for name, value in (_fields(outputs) or {}).items()]
 
 
 def _is_scalar(value) -> bool:
@@ -363,9 +387,10 @@ def _is_scalar(value) -> bool:
 
 
 def _dict_of_losses(outputs) -> dict[str, torch.Tensor]:
-    """A dict whose every value is a scalar floating-point tensor: the model's losses; else empty."""
-    if isinstance(outputs, Mapping) and outputs and all(_is_scalar(value) for value in outputs.values()):
-        return dict(outputs)
+    """A dict (or dataclass) whose every value is a scalar floating-point tensor: the model's losses; else empty."""
+    fields = _fields(outputs)
+    if fields and all(_is_scalar(value) for value in fields.values()):
+        return dict(fields)
     return {}
 
 
@@ -550,19 +575,14 @@ class Loss:
         return self(outputs, target)
 
     def ignored_scalars(self, outputs) -> list[str]:
-        """Where the outputs hold scalar tensors that this loss leaves out ("[1]", "['aux_loss']"): it is a built-in
-        loss of the prediction alone (no loss_fn of yours, no loss of the model's own), and a tuple or dict returned
-        beside the prediction a scalar, such as a mixture of experts' load-balancing loss in (logits, aux_loss)."""
+        """Where the outputs hold scalar tensors that this loss leaves out ("[1]", "['aux_loss']", ".aux_loss"): it is
+        a built-in loss of the prediction alone (no loss_fn of yours, no loss of the model's own), and a tuple, dict
+        or dataclass returned beside the prediction a scalar, such as a mixture of experts' load-balancing loss in
+        (logits, aux_loss)."""
         prediction, model_loss = unpack_outputs(outputs)
         if self.takes_outputs or self.uses_model_loss(model_loss) or prediction is None:
             return []
-        if isinstance(outputs, (tuple, list)):
-            items = enumerate(outputs)
-        elif isinstance(outputs, Mapping):
-            items = outputs.items()
-        else:
-            return []
-        return [f"[{key!r}]" for key, value in items if value is not prediction and _is_scalar(value)]
+        return [path for path, value in named_outputs(outputs) if value is not prediction and _is_scalar(value)]
 
     def _of_prediction(self, prediction, target, outputs) -> torch.Tensor:
         """A built-in loss (cross-entropy, mean squared error, PyTorch's) of the prediction and target."""

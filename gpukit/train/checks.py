@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from .. import distributed
 from ..precision import Precision
-from ..step import Batch, Loss, describe_value, training_mode, unpack_outputs
+from ..step import Batch, Loss, describe_value, named_outputs, training_mode, unpack_outputs
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -272,8 +272,7 @@ def warn_if_scalars_ignored(loss: Loss, outputs) -> None:
     if not ignored:
         return
     prediction = unpack_outputs(outputs)[0]
-    items = enumerate(outputs) if isinstance(outputs, (tuple, list)) else outputs.items()
-    predicted = next(f"outputs[{key!r}]" for key, value in items if value is prediction)
+    predicted = next(f"outputs{path}" for path, value in named_outputs(outputs) if value is prediction)
     function = {"cross_entropy": "F.cross_entropy", "mse": "F.mse_loss"}.get(loss.name, loss.name)
     scalars = [f"outputs{key}" for key in ignored]
     what = f"{scalars[0]} is a scalar tensor" if len(scalars) == 1 else f"{', '.join(scalars)} are scalar tensors"

@@ -461,7 +461,8 @@ def _check_classification(prediction: torch.Tensor, target: torch.Tensor) -> Non
         raise ValueError(
             f"cross-entropy cannot match outputs of shape {tuple(prediction.shape)} with targets of shape "
             f"{tuple(target.shape)}: expected the outputs to be the targets' shape plus a class dimension at the "
-            "end, e.g. (B, C) for (B,) or (B, T, V) for (B, T)."
+            "end, e.g. (B, C) for (B,) or (B, T, V) for (B, T). If the outputs are no class scores, pass loss_fn= "
+            "('mse', or your function of (outputs, target))."
         )
 
 
@@ -717,11 +718,14 @@ class TrainStep:
         self.clip = clip
         self.set_to_none = set_to_none
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+    def forward(
+        self, batch: Batch, explain: contextlib.AbstractContextManager | None = None
+    ) -> tuple[torch.Tensor, object, torch.Tensor | None]:
         """(loss, the outputs as the model returned them, the model's own loss or None) of one batch,
-        under autocast."""
+        under autocast. `explain`: a context around the model call alone (fit's first batch: a failure explained)."""
         with self.precision.autocast():
-            outputs = batch.call(self.model)
+            with explain or contextlib.nullcontext():
+                outputs = batch.call(self.model)
             loss = self.loss(outputs, batch.target)
         return loss, outputs, unpack_outputs(outputs)[1]
 

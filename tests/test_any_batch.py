@@ -294,3 +294,36 @@ def test_evaluate_without_loss_fn_on_outputs_cross_entropy_cannot_match_names_lo
     data = [(torch.randn(8, FEATURES), torch.randint(0, 3, (8, 2)))]
     with pytest.raises(ValueError, match=r"cannot match outputs of shape \(8, 3\).*pass loss_fn="):
         gk.evaluate(nn.Linear(FEATURES, 3), data, device=CPU)
+
+
+# ---------------------------------------------------------------------------------------------
+# CTC, as the README's line shows it
+
+
+class Recognizer(nn.Module):
+    """Frames (B, T, F) → log-probabilities (T, B, C) for CTC, with each utterance's frame count."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(FEATURES, 5)  # 5 symbols, blank (0) included
+
+    def forward(self, features, lengths, labels=None):  # labels: the target, for the loss_fn, not the model
+        return {"log_probs": self.layer(features).log_softmax(-1).transpose(0, 1), "lengths": lengths}
+
+
+def ctc(outputs, labels):
+    """CTC of labels (B, S) padded with -100: the padding is no symbol (clamped to blank, beyond each length)."""
+    lengths = (labels >= 0).sum(1)
+    return F.ctc_loss(outputs["log_probs"], labels.clamp(min=0), outputs["lengths"], lengths)
+
+
+def test_a_ctc_dict_batch_with_lengths_trains_with_a_loss_fn_and_counts_utterances():
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.tensor([[1, 2, 3], [4, 1, -100]])  # two utterances, 3 and 2 symbols
+    features = torch.randn(2, 10, FEATURES, generator=generator)
+    batch = {"features": features, "lengths": torch.tensor([10, 7]), "labels": labels}
+    history = gk.fit(Recognizer(), [batch], loss_fn=ctc, max_steps=1, log_every=1, progress=False, device=CPU)
+    assert history.micro_batch_size == 2 and history.sample_name == "sequence"
+    assert history.steps[0]["loss"] == pytest.approx(ctc(Recognizer()(**batch), labels).item(), rel=1e-6)
+    assert gk.evaluate(Recognizer(), [batch], loss_fn=ctc, device=CPU)["tokens"] == 5  # scored symbols

@@ -15,12 +15,17 @@ A *batch* is what a loader yields. Accepted forms:
                            detection form, images a list of (C, H, W) tensors and targets
                            [{"boxes": (N, 4), "labels": (N,)}, …] → model(inputs, targets), as you
                            would call it: such a model takes its targets and computes its own losses
+    an object that moves itself  with a .to(device) method that returns it moved, such as
+                           torch_geometric's DataBatch → model(batch), passed whole; its `y`, if a
+                           tensor, is the target
 
-Every tensor is moved to the device, inside lists, tuples and dicts too, element by element.
+Every tensor is moved to the device, inside lists, tuples and dicts too, element by element; an
+object that moves itself is moved by its own .to(device). Samples are counted by the target's first
+dimension where there is a target (8 graphs, not their 300 nodes), else by the first tensor's.
 
 The model may return anything: a tensor, a tuple or list (a VAE's (recon, mu, logvar)), a dict
-(torchvision's segmentation models return {"out": …, "aux": …}) or an object with attributes (a
-Hugging Face ModelOutput). Its *prediction*, found by `unpack_outputs` (the one place that looks
+(torchvision's segmentation models return {"out": …, "aux": …}), a dataclass (read as the dict of
+its fields) or an object with attributes (a Hugging Face ModelOutput). Its *prediction*, found by `unpack_outputs` (the one place that looks
 inside outputs), is the tensor itself; a dict's or object's `logits`, else its `out`; or the first
 tensor of a tuple or list. Its own loss is a dict's or object's `loss`, or the sum of a dict of
 scalar tensors (a torchvision detector's losses in training mode, {"loss_classifier": …, …}):
@@ -49,6 +54,7 @@ loss_fn gets the tuple (a VAE's reconstruction is no class scores), and never fr
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -72,6 +78,7 @@ __all__ = [
     "is_list_of_dicts",
     "loss_parts",
     "mean_squared_error",
+    "named_outputs",
     "only_losses",
     "split_batch",
     "to_device",
@@ -85,7 +92,8 @@ BATCH_FORMS = (
     "(inputs, target) with inputs a tensor, a tuple/list of tensors or a dict of tensors; "
     "(*inputs, target) with three or more tensors; a dict of tensors passed as model(**batch), "
     "whose 'labels' entry is the target; or (images, targets) with targets a list of dicts, one per example "
-    "(torchvision's detection form), passed as model(images, targets)"
+    "(torchvision's detection form), passed as model(images, targets); or an object with a .to(device) method "
+    "that returns it moved (torch_geometric's DataBatch), passed whole as model(batch), whose .y is the target"
 )
 
 
@@ -97,10 +105,11 @@ BATCH_FORMS = (
 class Batch:
     """A batch split into what the model is called with and what its output is compared to.
 
-    size:  examples in the batch (the first dimension of its first tensor; in the detection form, the
-           number of per-example targets).
+    size:  examples in the batch (the first dimension of its target, else of its first tensor; in the
+           detection form, the number of per-example targets).
     target_to_model: the model is called with the target as its last argument, model(*args, target):
            the detection form, whose model computes its own losses from its targets.
+    moves_itself: args is one object that moves itself (.to(device)), such as torch_geometric's DataBatch.
     """
 
     args: tuple
@@ -108,6 +117,7 @@ class Batch:
     target: torch.Tensor | list | None
     size: int
     target_to_model: bool = False
+    moves_itself: bool = False
 
     def call(self, model: Callable):
         if self.target_to_model:
@@ -115,11 +125,17 @@ class Batch:
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the batch, inside lists, tuples and dicts too."""
+        """Every tensor of the batch, inside lists, tuples and dicts too (and an object's that moves itself)."""
+        if self.moves_itself:
+            return [value for value in _attributes(self.args[0]).values() if isinstance(value, torch.Tensor)]
         return [t for t in tree_leaves((self.args, self.kwargs, self.target)) if isinstance(t, torch.Tensor)]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        """The same batch with `fn` applied to every tensor in it, inside lists, tuples and dicts too."""
+        """The same batch with `fn` applied to every tensor in it, inside lists, tuples and dicts too. An object
+        that moves itself is mapped by its own `apply` (torch_geometric's), on a copy; without one it is kept."""
+        if self.moves_itself:
+            carrier = self.args[0]
+            return split_batch(copy.copy(carrier).apply(fn) if callable(getattr(carrier, "apply", None)) else carrier)
         args, kwargs, target = tree_map(
             lambda x: fn(x) if isinstance(x, torch.Tensor) else x, (self.args, self.kwargs, self.target)
         )
@@ -171,6 +187,17 @@ class Batch:
         return (self.target != IGNORE_INDEX).sum() if self.is_sequence else None
 
 
+def _attributes(value) -> dict:
+    """An object's attributes by name: torch_geometric's to_dict(), else its __dict__."""
+    to_dict = getattr(value, "to_dict", None)
+    return dict(to_dict()) if callable(to_dict) else dict(getattr(value, "__dict__", {}))
+
+
+def _moves_itself(value) -> bool:
+    """An object batch that moves itself to a device (.to(device)): not a tensor, dict, list or tuple."""
+    return not isinstance(value, (torch.Tensor, Mapping, tuple, list)) and callable(getattr(value, "to", None))
+
+
 def _leaves(value) -> list:
     if isinstance(value, Mapping):
         return list(value.values())
@@ -210,6 +237,9 @@ def describe_value(value) -> str:
         return f"a {kind} of " + (items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}")
     if isinstance(value, Mapping):
         return f"a dict with keys {', '.join(map(repr, list(value)[:8]))}"
+    fields = _fields(value)
+    if fields is not None:
+        return f"a dataclass {type(value).__name__} with fields {', '.join(map(repr, list(fields)[:8]))}"
     return f"a {type(value).__name__}"
 
 
@@ -233,13 +263,24 @@ def split_batch(batch) -> Batch:
     """Split a batch of any accepted form (see the module docstring) into inputs and target."""
     if isinstance(batch, Batch):
         return batch
+    if _moves_itself(batch):  # torch_geometric's DataBatch: model(batch), its .y the target
+        target = getattr(batch, "y", None)
+        target = target if isinstance(target, torch.Tensor) else None
+        size = target.shape[0] if target is not None and target.dim() else getattr(batch, "num_graphs", None)
+        if not isinstance(size, int):
+            raise TypeError(
+                f"the batch is a {type(batch).__name__} without a target to count its samples by: give it a tensor "
+                "`y` (one row per sample) or an int `num_graphs`, or yield (inputs, target) tuples."
+            )
+        return Batch((batch,), {}, target, size, moves_itself=True)
     if isinstance(batch, Mapping):
         if not any(isinstance(value, torch.Tensor) for value in batch.values()):
             raise TypeError(
                 f"the batch is a dict without tensors ({_describe(batch)}); the accepted forms are {BATCH_FORMS}."
             )
         target = batch.get("labels")
-        return Batch((), dict(batch), target if isinstance(target, torch.Tensor) else None, _size(batch))
+        target = target if isinstance(target, torch.Tensor) else None
+        return Batch((), dict(batch), target, _size(batch, target))
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         *inputs, target = batch
         if is_list_of_dicts(target) and len(inputs) == 1:  # detection: model(images, targets)
@@ -252,14 +293,20 @@ def split_batch(batch) -> Batch:
         if len(inputs) == 1:
             (inputs,) = inputs
             if isinstance(inputs, torch.Tensor):
-                return Batch((inputs,), {}, target, _size(batch))
+                return Batch((inputs,), {}, target, _size(batch, target))
             if isinstance(inputs, Mapping):
-                return Batch((), dict(inputs), target, _size(batch))
+                return Batch((), dict(inputs), target, _size(batch, target))
             if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(x, torch.Tensor) for x in inputs):
-                return Batch(tuple(inputs), {}, target, _size(batch))
+                return Batch(tuple(inputs), {}, target, _size(batch, target))
         elif all(isinstance(x, torch.Tensor) for x in inputs):
-            return Batch(tuple(inputs), {}, target, _size(batch))
-    raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.")
+            return Batch(tuple(inputs), {}, target, _size(batch, target))
+    hint = ""
+    if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):  # an object batch that cannot move itself
+        hint = (
+            f" A {type(batch).__name__} is passed whole as model(batch) once it has a .to(device) method that returns "
+            "it moved and its target as .y; or yield (inputs, target) tuples (a DataLoader's collate_fn can build them)."
+        )
+    raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.{hint}")
 
 
 def _collate_hint(target) -> str:
@@ -273,7 +320,10 @@ def _collate_hint(target) -> str:
     )
 
 
-def _size(batch) -> int:
+def _size(batch, target: torch.Tensor | None = None) -> int:
+    """Samples: the target's first dimension (a graph batch's 8 graphs, not its 300 nodes), else the first tensor's."""
+    if target is not None and target.dim():
+        return target.shape[0]
     size = _first_dimension(batch)
     if size is None:
         raise TypeError(
@@ -283,7 +333,10 @@ def _size(batch) -> int:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of the batch on `device`; non-blocking, so a copy from pinned memory overlaps compute."""
+    """Every tensor of the batch on `device`; non-blocking, so a copy from pinned memory overlaps compute. An object
+    that moves itself is moved by its own .to(device)."""
+    if batch.moves_itself:
+        return split_batch(batch.args[0].to(device))
     return batch.map(lambda tensor: tensor.to(device, non_blocking=True))
 
 
@@ -298,15 +351,35 @@ def unpack_outputs(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return outputs, None
     if isinstance(outputs, (tuple, list)):
         return next((item for item in outputs if isinstance(item, torch.Tensor)), None), None
-    if isinstance(outputs, Mapping):  # a dict, or a Hugging Face ModelOutput (an OrderedDict)
-        losses = _dict_of_losses(outputs)
+    fields = _fields(outputs)
+    if fields is not None:  # a dict, a Hugging Face ModelOutput (an OrderedDict), a dataclass
+        losses = _dict_of_losses(fields)
         if losses and "loss" not in losses:  # a detector's {"loss_classifier": …, "loss_box_reg": …}
             return None, sum(losses.values())
-        found = outputs.get("logits"), outputs.get("out"), outputs.get("loss")
+        found = fields.get("logits"), fields.get("out"), fields.get("loss")
     else:
         found = (getattr(outputs, name, None) for name in ("logits", "out", "loss"))
     logits, out, loss = (value if isinstance(value, torch.Tensor) else None for value in found)
     return (logits if logits is not None else out), loss
+
+
+def _fields(outputs) -> Mapping | None:
+    """Outputs read by name: a dict or ModelOutput as it is, a dataclass as the dict of its fields; else None."""
+    if isinstance(outputs, Mapping):
+        return outputs
+    if dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
+        return {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
+    return None
+
+
+def named_outputs(outputs) -> list[tuple[str, object]]:
+    """The parts of a tuple, list, dict or dataclass the model returned, each with how to read it from `outputs`:
+    "[1]", "['aux_loss']", ".aux_loss"; empty for other outputs."""
+    if isinstance(outputs, (tuple, list)):
+        return [(f"[{index}]", value) for index, value in enumerate(outputs)]
+    if isinstance(outputs, Mapping):
+        return [(f"[{key!r}]", value) for key, value in outputs.items()]
+    return [(f".{name}", value) for name, value in (_fields(outputs) or {}).items()]
 
 
 def _is_scalar(value) -> bool:
@@ -314,9 +387,10 @@ def _is_scalar(value) -> bool:
 
 
 def _dict_of_losses(outputs) -> dict[str, torch.Tensor]:
-    """A dict whose every value is a scalar floating-point tensor: the model's losses; else empty."""
-    if isinstance(outputs, Mapping) and outputs and all(_is_scalar(value) for value in outputs.values()):
-        return dict(outputs)
+    """A dict (or dataclass) whose every value is a scalar floating-point tensor: the model's losses; else empty."""
+    fields = _fields(outputs)
+    if fields and all(_is_scalar(value) for value in fields.values()):
+        return dict(fields)
     return {}
 
 
@@ -387,7 +461,8 @@ def _check_classification(prediction: torch.Tensor, target: torch.Tensor) -> Non
         raise ValueError(
             f"cross-entropy cannot match outputs of shape {tuple(prediction.shape)} with targets of shape "
             f"{tuple(target.shape)}: expected the outputs to be the targets' shape plus a class dimension at the "
-            "end, e.g. (B, C) for (B,) or (B, T, V) for (B, T)."
+            "end, e.g. (B, C) for (B,) or (B, T, V) for (B, T). If the outputs are no class scores, pass loss_fn= "
+            "('mse', or your function of (outputs, target))."
         )
 
 
@@ -501,19 +576,14 @@ class Loss:
         return self(outputs, target)
 
     def ignored_scalars(self, outputs) -> list[str]:
-        """Where the outputs hold scalar tensors that this loss leaves out ("[1]", "['aux_loss']"): it is a built-in
-        loss of the prediction alone (no loss_fn of yours, no loss of the model's own), and a tuple or dict returned
-        beside the prediction a scalar, such as a mixture of experts' load-balancing loss in (logits, aux_loss)."""
+        """Where the outputs hold scalar tensors that this loss leaves out ("[1]", "['aux_loss']", ".aux_loss"): it is
+        a built-in loss of the prediction alone (no loss_fn of yours, no loss of the model's own), and a tuple, dict
+        or dataclass returned beside the prediction a scalar, such as a mixture of experts' load-balancing loss in
+        (logits, aux_loss)."""
         prediction, model_loss = unpack_outputs(outputs)
         if self.takes_outputs or self.uses_model_loss(model_loss) or prediction is None:
             return []
-        if isinstance(outputs, (tuple, list)):
-            items = enumerate(outputs)
-        elif isinstance(outputs, Mapping):
-            items = outputs.items()
-        else:
-            return []
-        return [f"[{key!r}]" for key, value in items if value is not prediction and _is_scalar(value)]
+        return [path for path, value in named_outputs(outputs) if value is not prediction and _is_scalar(value)]
 
     def _of_prediction(self, prediction, target, outputs) -> torch.Tensor:
         """A built-in loss (cross-entropy, mean squared error, PyTorch's) of the prediction and target."""
@@ -648,11 +718,14 @@ class TrainStep:
         self.clip = clip
         self.set_to_none = set_to_none
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+    def forward(
+        self, batch: Batch, explain: contextlib.AbstractContextManager | None = None
+    ) -> tuple[torch.Tensor, object, torch.Tensor | None]:
         """(loss, the outputs as the model returned them, the model's own loss or None) of one batch,
-        under autocast."""
+        under autocast. `explain`: a context around the model call alone (fit's first batch: a failure explained)."""
         with self.precision.autocast():
-            outputs = batch.call(self.model)
+            with explain or contextlib.nullcontext():
+                outputs = batch.call(self.model)
             loss = self.loss(outputs, batch.target)
         return loss, outputs, unpack_outputs(outputs)[1]
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..step import Batch, split_batch
+from ..step import Batch, split_batch, to_device
 
 _DONE = object()
 
@@ -43,7 +43,7 @@ class CUDAPrefetcher:
         if raw is _DONE:
             return _DONE
         with torch.cuda.stream(self.stream):
-            return split_batch(raw).map(lambda tensor: tensor.to(self.device, non_blocking=True))
+            return to_device(split_batch(raw), self.device)  # a batch object by its own .to(device)
 
     def __iter__(self) -> Iterator[Batch]:
         iterator = iter(self.loader)

@@ -6,6 +6,8 @@
     check_eval_data      eval_data's first batch through the model (no gradients, eval mode), with the loss
                          and the metrics, before the first step: not after the first epoch has trained;
     check_first_batch    floating-point inputs of another dtype than the model's weights, named both;
+    explained_model_failure  around the model call on the training data's first batch: a failure says how
+                         the batch was split and called, and what to pass (as eval_data's check does);
     check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand is a problem in the data;
     warn_if_scalars_ignored  at the first step: scalar tensors the model returns beside its prediction (an
                          auxiliary loss) that the loss leaves out, said once per fit.
@@ -18,6 +20,7 @@ would. One forward of a two-example batch (or of a loader's first batch) costs l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import numbers
 import os
@@ -35,7 +38,7 @@ from torch.utils.data import Dataset
 from .. import distributed
 from ..precision import Precision
 from ..report import format_bytes
-from ..step import Batch, Loss, describe_value, training_mode, unpack_outputs
+from ..step import Batch, Loss, describe_value, named_outputs, training_mode, unpack_outputs
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -187,8 +190,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
             raise
         except Exception as error:  # any failure of the model on this batch: say which data it was
             raise ValueError(
-                f"the model failed on eval_data's first batch ({describe(batch)}) before training started: "
-                f"{_one_line(error)}.{dtype_mismatch(model, batch)} Give eval_data batches of the form, shapes and "
+                f"{model_failure(model, batch, error, 'eval_data')} Give eval_data batches of the form, shapes and "
                 "dtypes of the training data's."
             ) from error
         try:
@@ -203,6 +205,46 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
                 f"the loss or a metric failed on eval_data's first batch ({describe(batch)}) before training "
                 f"started: {_one_line(error)}"
             ) from error
+
+
+@contextlib.contextmanager
+def explained_model_failure(model: nn.Module, batch: Batch):
+    """Around the model call on the training data's first batch: a failure (a forward(obs) given (obs, actions) by
+    a batch (obs, actions, returns)) is raised as a ValueError that says how the batch was called, before any
+    optimizer step."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise ValueError(model_failure(model, batch, error, "the training data")) from error
+
+
+def model_failure(model: nn.Module, batch: Batch, error: Exception, source: str) -> str:
+    """Why the model failed on `source`'s first batch: its error, how the batch was split and called, what to pass."""
+    return (
+        f"the model failed on {source}'s first batch ({describe(batch)}) before training started: "
+        f"{_one_line(error)}. {how_called(batch)}{dtype_mismatch(model, batch)} If the model takes other arguments, "
+        "yield batches (inputs, target) with inputs what it takes (a tensor → model(inputs), a tuple → "
+        "model(*inputs), a dict → model(**inputs)); put what else the loss needs in the target, which your "
+        "loss_fn of (outputs, target) gets whole: e.g. (obs, torch.stack([actions.float(), returns], 1)) for a "
+        "policy forward(obs)."
+    )
+
+
+def how_called(batch: Batch) -> str:
+    """How a batch was split into inputs and target, and the call the model got, in words."""
+    if batch.moves_itself:
+        return "The batch was passed whole, as model(batch), its .y the target."
+    if batch.target_to_model:
+        return "The batch was split into images and per-example targets and called as model(images, targets)."
+    if batch.kwargs:
+        keywords = ", ".join(f"{key}=…" for key in batch.kwargs)
+        return f"The batch's dict entries were passed as keyword arguments: model({keywords})."
+    count = len(batch.args)
+    arguments = ", ".join(f"inputs[{index}]" for index in range(count)) if count > 1 else "inputs"
+    split = f"{count} inputs and a target" if count > 1 else "inputs and a target"
+    return f"The batch was split into {split} (its last element) and called as model({arguments})."
 
 
 def _first_eval_batch(eval_data, device: torch.device, channels_last: bool) -> Batch:
@@ -313,8 +355,7 @@ def warn_if_scalars_ignored(loss: Loss, outputs) -> None:
     if not ignored:
         return
     prediction = unpack_outputs(outputs)[0]
-    items = enumerate(outputs) if isinstance(outputs, (tuple, list)) else outputs.items()
-    predicted = next(f"outputs[{key!r}]" for key, value in items if value is prediction)
+    predicted = next(f"outputs{path}" for path, value in named_outputs(outputs) if value is prediction)
     function = {"cross_entropy": "F.cross_entropy", "mse": "F.mse_loss"}.get(loss.name, loss.name)
     scalars = [f"outputs{key}" for key in ignored]
     what = f"{scalars[0]} is a scalar tensor" if len(scalars) == 1 else f"{', '.join(scalars)} are scalar tensors"

@@ -43,6 +43,7 @@ from .checks import (
     check_eval_data,
     check_finite_inputs,
     check_first_batch,
+    explained_model_failure,
     warn_if_scalars_ignored,
 )
 from .data import as_loader, batch_on_device, batches, length
@@ -554,8 +555,9 @@ def _first_batch(run: _Run, batch: Batch) -> None:
 def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Window) -> None:
     """Forward and backward of one micro-batch; gradients stay local (no all-reduce) until the step's last."""
     run.phase = "forward"
+    explain = None if run.seen_outputs else explained_model_failure(run.model, batch)  # the first batch's call
     with distributed.no_sync(run.parallel, not last):
-        loss, outputs, _ = run.step.forward(batch)
+        loss, outputs, _ = run.step.forward(batch, explain)
         run.phase = "backward"
         run.step.backward(loss)
     if not run.seen_outputs:

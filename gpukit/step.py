@@ -605,7 +605,7 @@ class Loss:
             fix = "fix the negative labels"
         return (
             f"class targets must lie in 0..{classes - 1} (the outputs have {classes} classes), found {low}..{high}: "
-            f"a label is out of range for the model's {classes} outputs. To train, {fix} (targets equal to "
+            f"a label is out of range for the model's {classes} outputs: {fix} (targets equal to "
             f"{self.ignore_index} are ignored)."
         )
 

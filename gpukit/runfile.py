@@ -222,6 +222,12 @@ def read(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no saved History at {path}: check the path (History.save wrote it where you said).")
+    if path.is_dir():
+        inside = sorted(child.name for child in path.glob("*.json"))[:5]
+        raise IsADirectoryError(
+            f"{path} is a folder, not a saved History: pass the JSON file History.save wrote"
+            + (f" (it holds {', '.join(inside)})." if inside else f", e.g. {path / 'run.json'}.")
+        )
     record = _parse(path)
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise HistoryFileError(
@@ -248,4 +254,41 @@ def read(path: str | Path) -> dict:
             f"{path} is damaged: a saved History holds environment, summary and history (with steps and epochs) "
             "entries; save the run again."
         )
+    problem = _wrong_columns(history)
+    if problem:
+        raise HistoryFileError(f"{path} is damaged: {problem}; save the run again, or fix the file by hand.")
     return record
+
+
+_NUMBER_FIELDS = {"micro_batch_size": int, "global_batch_size": int, "batch_size": int, "skipped_steps": int}
+_STEP_COLUMNS = ("loss", "step_time", "samples_per_second")  # what History.summary and gk.plots.compare read
+
+
+def _is_number(value, kind=(int, float)) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _wrong_columns(history: dict) -> str | None:
+    """What in a saved History's rows and fields is not what History.summary and gk.plots.compare read, in words:
+    every row a dict; steps with an integer step and numeric loss, step_time and samples_per_second; epochs with an
+    integer epoch and numbers (or null) in their train_ and eval_ columns."""
+    for name, kind in _NUMBER_FIELDS.items():
+        if name in history and not _is_number(history[name], kind):
+            return f"its {name} is {history[name]!r}, not an integer"
+    if "seconds" in history and not _is_number(history["seconds"]):
+        return f"its seconds is {history['seconds']!r}, not a number"
+    if "sample_name" in history and not isinstance(history["sample_name"], str):
+        return f"its sample_name is {history['sample_name']!r}, not a string"
+    for table, index_column in (("steps", "step"), ("epochs", "epoch")):
+        for number, row in enumerate(history[table], 1):
+            if not isinstance(row, dict):
+                return f"{table} row {number} is {row!r:.60}, not an object of columns"
+            numeric = _STEP_COLUMNS if table == "steps" else [c for c in row if c.startswith(("train_", "eval_"))]
+            for column in (index_column, *numeric):
+                if column not in row:
+                    return f"{table} row {number} has no {column!r} column"
+                value, kind = row[column], int if column == index_column else (int, float)
+                if not _is_number(value, kind) and not (value is None and column != index_column and table == "epochs"):
+                    expected = "an integer" if kind is int else "a number"
+                    return f"{table} row {number} has {column}={value!r:.60}, not {expected}"
+    return None

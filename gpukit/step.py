@@ -70,6 +70,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LOSSES",
     "Batch",
+    "BatchError",
     "Loss",
     "TrainStep",
     "cross_entropy",
@@ -99,6 +100,11 @@ BATCH_FORMS = (
 
 # ---------------------------------------------------------------------------------------------
 # Batches
+
+
+class BatchError(ValueError):
+    """A batch that cannot be trained on, for a reason read from its own data (targets out of range, every target
+    ignored, no samples); fit puts the batch's number in front of the message."""
 
 
 @dataclass
@@ -433,6 +439,7 @@ def cross_entropy(prediction: torch.Tensor, target: torch.Tensor, label_smoothin
     ((B, C, H, W) with (B, H, W)). Targets equal to IGNORE_INDEX (-100) are not scored.
     """
     _check_classification(prediction, target)
+    target = as_class_indices(target)
     if prediction.shape[:-1] == target.shape:
         return F.cross_entropy(
             prediction.reshape(-1, prediction.shape[-1]),
@@ -441,6 +448,12 @@ def cross_entropy(prediction: torch.Tensor, target: torch.Tensor, label_smoothin
             label_smoothing=label_smoothing,
         )
     return F.cross_entropy(prediction, target, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+
+
+def as_class_indices(target: torch.Tensor) -> torch.Tensor:
+    """Integer class targets as int64, which cross-entropy and gather take: int32, int16, int8 and uint8 labels (a
+    NumPy array's, a uint8 mask's) are converted, one small copy; int64 ones are returned as they are."""
+    return target if target.dtype == torch.int64 else target.long()
 
 
 def mean_squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -456,6 +469,12 @@ def _check_classification(prediction: torch.Tensor, target: torch.Tensor) -> Non
         raise ValueError(
             f"cross-entropy needs integer class targets, got {target.dtype}; for regression pass loss_fn='mse' "
             "(or your own function)."
+        )
+    if target.dtype == torch.bool or target.is_complex():
+        raise ValueError(
+            f"cross-entropy needs integer class targets, got {target.dtype}; for two classes convert them with "
+            "target.long() (the model then needs 2 outputs), or pass loss_fn=F.binary_cross_entropy_with_logits "
+            "with target.float() and one output."
         )
     if class_dimension(prediction, target) is None:
         raise ValueError(
@@ -522,6 +541,7 @@ class Loss:
         # Class targets are checked against the number of outputs once, on the first batch (one
         # synchronisation): on a GPU an out-of-range target is a device-side assert that ends the process.
         self.check_targets = check_targets
+        self.diagnoses = check_targets  # read the targets when the loss fails (not on the meta device or fake ones)
         self.takes_outputs = False
         if loss_fn is None or loss_fn == "cross_entropy" or loss_fn is F.cross_entropy:
             self.name, self.fn, self.explicit = "cross_entropy", None, loss_fn is not None
@@ -606,32 +626,58 @@ class Loss:
                 "((inputs, target), or a 'labels' entry of a dict batch), return 'loss' from the model, or pass "
                 "loss_fn=your function of (outputs, target), which may ignore the target (None)."
             )
-        if self.fn is None:
-            _check_classification(prediction, target)
-            self._check_range(prediction, target)
-            return cross_entropy(prediction, target, self.label_smoothing)
-        if self.elementwise:
+        if self.fn is not None and self.elementwise:
             _check_same_shape(prediction, target, self.name)
-        if self.name == "cross_entropy":  # an nn.CrossEntropyLoss: check the shapes it is given
-            _check_classification(prediction, target)
-            self._check_range(prediction, target)
-        return self.fn(prediction, target)
+        if self.name != "cross_entropy":
+            return self.fn(prediction, target)
+        _check_classification(prediction, target)  # the kit's cross-entropy, or PyTorch's: check what it is given
+        target = as_class_indices(target)
+        self._check_range(prediction, target)
+        try:
+            if self.fn is None:
+                return cross_entropy(prediction, target, self.label_smoothing)
+            return self.fn(prediction, target)
+        except torch.OutOfMemoryError:
+            raise
+        except (IndexError, RuntimeError) as error:  # a target out of range on a later batch than the first
+            wrong = self._wrong_targets(prediction, target) if self.diagnoses else None
+            if wrong is None:
+                raise
+            raise BatchError(wrong) from error
 
     def _check_range(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
+        """The first batch's targets against the number of classes (one synchronisation, once): on a GPU an
+        out-of-range target is a device-side assert that ends the process, so it is refused before it is used."""
         if not self.check_targets:
             return
         self.check_targets = False
+        wrong = self._wrong_targets(prediction, target)
+        if wrong is not None:
+            raise BatchError(wrong)
+
+    def _wrong_targets(self, prediction: torch.Tensor, target: torch.Tensor) -> str | None:
+        """What is wrong with these class targets for this prediction, in words; None if nothing is."""
         classes = prediction.shape[-1] if prediction.shape[:-1] == target.shape else prediction.shape[1]
         scored = target[target != self.ignore_index]
         if scored.numel() == 0:
-            return
-        low, high = torch.stack([scored.min(), scored.max()]).tolist()
-        if low < 0 or high >= classes:
-            raise ValueError(
-                f"class targets must lie in 0..{classes - 1} (the outputs have {classes} classes), found {low}..{high} "
-                f"in the first batch; fix the labels, or the model's number of outputs (targets equal to "
-                f"{self.ignore_index} are ignored)."
+            return (
+                f"every one of its {target.numel()} targets equals {self.ignore_index} (ignored), so its loss is 0/0 = "
+                "NaN, which would make the weights NaN: leave out examples without a scored target (e.g. padding "
+                "only, or too short to predict a next token), or give each batch at least one."
             )
+        low, high = torch.stack([scored.min(), scored.max()]).tolist()
+        if low >= 0 and high < classes:
+            return None
+        if high >= classes:
+            from_one = " (numbered from 1? subtract 1)" if low == 1 and high == classes else ""
+            fix = f"fix the labels{from_one}, or give the model {high + 1} outputs"
+        else:
+            fix = "fix the negative labels"
+        return (
+            f"class targets must lie in 0..{classes - 1} (the outputs have {classes} classes), found {low}..{high}: "
+            f"a label is out of range for the model's {classes} outputs: {fix} (targets equal to "
+            f"{self.ignore_index} are ignored)."
+        )
 
     def tracks_accuracy(self, batch: Batch, outputs) -> bool:
         """Whether accuracy means something for these outputs and target (see the module docstring).
@@ -667,6 +713,7 @@ class Loss:
         cheaper on a CPU, where argmax over the last dimension is slow (1.6 ms against 0.6 ms for
         (32, 64, 256) logits, measured), which matters when it runs on every training batch.
         """
+        target = as_class_indices(target)  # gather takes int64 indices
         if class_dimension(prediction, target) != prediction.dim() - 1:
             prediction = prediction.movedim(1, -1)  # classes in dimension 1 ((B, C, H, W)): move them last
         scored = target != self.ignore_index

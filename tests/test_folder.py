@@ -322,6 +322,46 @@ def test_class_left_empty_by_skipping(root):
         load(root)
 
 
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda cat: os.symlink("loop.png", cat / "loop.png"), OSError, "symbolic link in a loop"),
+        (
+            lambda cat: (os.symlink("b.png", cat / "a.png"), os.symlink("a.png", cat / "b.png")),
+            OSError,
+            "symbolic link in a loop",
+        ),
+        (lambda cat: os.symlink("gone.png", cat / "broken.png"), FileNotFoundError, "broken symbolic link"),
+        (lambda cat: os.symlink("mouse", cat.parent / "mouse"), OSError, "symbolic link in a loop"),
+    ],
+    ids=["file-to-itself", "two-files-in-a-circle", "broken", "class-folder-to-itself"],
+)
+def test_a_link_loop_or_a_broken_link_names_the_file_and_the_fix(root, make, error, message):
+    make(root / "cat")
+    with pytest.raises(error, match=rf"image_folder cannot read {root}/\S+: it is a {message}.*or delete it"):
+        load(root)
+
+
+def test_a_class_folder_linked_to_the_root_is_refused(root):
+    """Not a loop for os.walk (it does not follow links below the top), but the class would hold every image."""
+    os.symlink(".", root / "all")
+    with pytest.raises(ValueError, match=r"Class folder \S+/all is a symbolic link to .*every other class's images"):
+        load(root)
+
+
+def test_an_unreadable_image_file_names_the_file_and_the_fix(root, monkeypatch):
+    read_bytes = folder.Path.read_bytes
+
+    def refuse_one(path):  # tests run as root, where chmod would not stop a read
+        if path.name == "1.png" and path.parent.name == "cat":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(folder.Path, "read_bytes", refuse_one)
+    with pytest.raises(PermissionError, match=rf"cannot read {root / 'cat' / '1.png'}: permission denied.*chmod a\+r"):
+        load(root, cache=False)
+
+
 @pytest.mark.parametrize("size", [0, -3, 2.5, "32", True, None])
 def test_bad_size(root, size):
     with pytest.raises(ValueError, match="size must be a positive int"):

@@ -288,6 +288,52 @@ def test_load_says_what_is_wrong_with_the_file(tmp_path, content, message):
         gk.plots.compare([path])
 
 
+def saved_by_hand(tmp_path, change):
+    """A History with one step row and one epoch row, saved, then its history entry changed by `change`."""
+    history = gk.History(
+        steps=[{"step": 1, "epoch": 1, "loss": 1.5, "lr": 0.1, "step_time": 0.01, "samples_per_second": 800.0}],
+        epochs=[{"epoch": 1, "train_loss": 1.5, "eval_accuracy": None, "seconds": 0.5}],
+    )
+    path = history.save(tmp_path / "run.json")
+    record = json.loads(path.read_text())
+    change(record["history"])
+    path.write_text(json.dumps(record))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda h: h["steps"][0].update(loss="1.5"), r"steps row 1 has loss='1.5', not a number"),
+        (lambda h: h["steps"][0].pop("step_time"), r"steps row 1 has no 'step_time' column"),
+        (lambda h: h["epochs"][0].update(epoch="1"), r"epochs row 1 has epoch='1', not an integer"),
+        (lambda h: h["epochs"][0].pop("epoch"), r"epochs row 1 has no 'epoch' column"),
+        (lambda h: h["epochs"][0].update(train_loss=[1.5]), r"epochs row 1 has train_loss=\[1.5\], not a number"),
+        (lambda h: h["epochs"].append([2, 0.7]), r"epochs row 2 is \[2, 0.7\], not an object of columns"),
+        (lambda h: h.update(micro_batch_size="8"), r"its micro_batch_size is '8', not an integer"),
+    ],
+    ids=["loss-string", "no-step-time", "epoch-string", "no-epoch", "metric-list", "row-list", "batch-size-string"],
+)
+def test_load_refuses_rows_of_wrong_types_or_missing_columns(tmp_path, change, message):
+    """Accepted before, then a KeyError or TypeError deep in summary() or compare(); now refused at load."""
+    path = saved_by_hand(tmp_path, change)
+    for load in (gk.History.load, lambda path: gk.plots.compare([path])):
+        with pytest.raises(HistoryFileError, match=rf"run\.json is damaged: {message}; save the run again"):
+            load(path)
+
+
+def test_load_keeps_accepting_what_save_writes(tmp_path):
+    loaded = gk.History.load(saved_by_hand(tmp_path, lambda history: None))
+    assert loaded.summary()["step_time_ms"] == 10.0 and loaded.epochs[0]["eval_accuracy"] is None
+
+
+def test_load_of_a_folder_names_it_and_the_files_inside(tmp_path):
+    saved_by_hand(tmp_path, lambda history: None)
+    for load in (gk.History.load, lambda path: gk.plots.compare([path])):
+        with pytest.raises(IsADirectoryError, match=r"is a folder, not a saved History: pass the JSON file.*run\.json"):
+            load(tmp_path)
+
+
 def test_load_of_a_missing_file_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="no saved History at .*nothing.json"):
         gk.History.load(tmp_path / "nothing.json")

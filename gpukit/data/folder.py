@@ -9,9 +9,11 @@ image file is added, removed or changed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -97,8 +99,9 @@ def _scan(root: Path) -> tuple[list[str], list[str], torch.Tensor]:
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is a file; pass the folder that holds one subfolder per class.")
     entries = sorted(os.scandir(root), key=lambda entry: entry.name)
-    classes = [entry.name for entry in entries if entry.is_dir() and not _hidden(entry.name)]
-    ignored = [entry.name for entry in entries if not entry.is_dir() and not _hidden(entry.name)]
+    folders = {entry.name: _is_folder(entry, root) for entry in entries}
+    classes = [name for name, is_folder in folders.items() if is_folder and not _hidden(name)]
+    ignored = [name for name, is_folder in folders.items() if not is_folder and not _hidden(name)]
     if not classes:
         raise ValueError(
             f"{root} has no class subfolders. image_folder expects root/<class name>/<image files>, for example "
@@ -108,8 +111,9 @@ def _scan(root: Path) -> tuple[list[str], list[str], torch.Tensor]:
 
     paths, labels = [], []
     for label, name in enumerate(classes):
+        _check_not_above(root, name)
         found = []
-        for folder, folders, files in os.walk(root / name):
+        for folder, folders, files in os.walk(root / name, onerror=partial(_raise_unreadable, root)):
             folders[:] = [f for f in folders if not _hidden(f)]  # prune .ipynb_checkpoints and the like
             relative = Path(folder).relative_to(root).as_posix()
             for file in files:
@@ -136,12 +140,44 @@ def _hidden(name: str) -> bool:
     return name.startswith(".")
 
 
+def _is_folder(entry: os.DirEntry, root: Path) -> bool:
+    try:
+        return entry.is_dir()  # follows a symbolic link: a link loop raises here
+    except OSError as error:
+        _raise_unreadable(root, error)
+
+
+def _raise_unreadable(root: Path, error: OSError) -> None:
+    """An OSError of the same kind that names the file or folder that cannot be read, why, and what to do."""
+    path = error.filename or "a file"
+    link = "point the link at a real image file or folder, or delete it"
+    why, fix = {
+        errno.ELOOP: ("it is a symbolic link in a loop (it points to itself, or to a link that points back)", link),
+        errno.ENOENT: ("it is a broken symbolic link (what it points to is gone)", link),
+        errno.EACCES: ("permission denied", "make it readable (chmod a+r), or move it out of the folder"),
+    }.get(error.errno, (error.strerror or str(error), "fix it, or move it out of the folder"))
+    raise type(error)(error.errno, f"image_folder cannot read {path}: {why}. To load {root}, {fix}.") from error
+
+
+def _check_not_above(root: Path, name: str) -> None:
+    """A class folder that is a link to root or to a folder above it would hold every class's images, again."""
+    target = (root / name).resolve()
+    if root.resolve().is_relative_to(target):
+        raise ValueError(
+            f"Class folder {root / name} is a symbolic link to {target}, which holds {root} itself, so it would hold "
+            f"every other class's images too; delete the link, or point it at a folder of its own class's images."
+        )
+
+
 def _fingerprint(root: Path, paths: list[str], size: int) -> str:
     """A digest of what the decoded tensor depends on: the files (path, bytes, mtime in ns), size, format."""
     digest = hashlib.sha256(f"gpukit image_folder v{CACHE_VERSION} size={size}\n".encode())
     folder = os.fspath(root)
     for path in paths:
-        stat = os.stat(os.path.join(folder, path))  # strings, not Path objects: half the time for 4,000 files
+        try:
+            stat = os.stat(os.path.join(folder, path))  # strings, not Path objects: half the time for 4,000 files
+        except OSError as error:  # a broken link, a link loop
+            _raise_unreadable(root, error)
         digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
@@ -176,6 +212,8 @@ def _decode_all(root: Path, paths: list[str], size: int, progress: bool) -> tupl
         except RuntimeError:  # what torchvision's decoders raise for bytes they cannot decode
             skipped.append(path)
             continue
+        except OSError as error:  # a file that cannot be read (permissions, a disk error): not a corrupt image
+            _raise_unreadable(root, error)
         kept += 1
     # A slice would keep (and torch.save would write) the whole allocation: copy when files were skipped.
     return (images[:kept].clone() if skipped else images), skipped

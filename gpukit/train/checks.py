@@ -8,7 +8,10 @@
     check_first_batch    floating-point inputs of another dtype than the model's weights, named both;
     explained_model_failure  around the model call on the training data's first batch: a failure says how
                          the batch was split and called, and what to pass (as eval_data's check does);
-    check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand is a problem in the data;
+    check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand, or no target of it scored
+                         (all ignored), is a problem in the data;
+    failed_batch_cause   when a training step fails: the cause read from the batch's data (a target out of
+                         range, a batch of one sample under BatchNorm, token ids beyond the embedding), or None;
     warn_if_scalars_ignored  at the first step: scalar tensors the model returns beside its prediction (an
                          auxiliary loss) that the loss leaves out, said once per fit.
 
@@ -38,7 +41,7 @@ from torch.utils.data import Dataset
 from .. import distributed
 from ..precision import Precision
 from ..report import format_bytes
-from ..step import Batch, Loss, describe_value, named_outputs, training_mode, unpack_outputs
+from ..step import Batch, BatchError, Loss, describe_value, named_outputs, training_mode, unpack_outputs
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -301,13 +304,18 @@ def dtype_mismatch(model: nn.Module, batch: Batch) -> str:
     )
 
 
-def check_finite_inputs(batch: Batch | None, step: int, epoch: int) -> None:
-    """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand (one synchronisation,
-    once) is named as a problem in the data, with the step that read the batch."""
-    named = _named_float_tensors(batch) if batch is not None else []
-    if not named:
+def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> None:
+    """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand, or class targets all
+    equal to `ignore_index` (a loss of 0/0), is named as a problem in the data, with the step that read the batch
+    (one synchronisation, once)."""
+    if batch is None:
         return
-    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist()
+    where = (
+        f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
+        f"last ({describe(batch)})"
+    )
+    named = _named_float_tensors(batch)
+    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
     found = [
         f"{name} holds {nan} NaN and {inf} infinite values"
         for (name, _), (nan, inf) in zip(named, counts)
@@ -315,11 +323,72 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int) -> None:
     ]
     if found:
         raise NonFiniteInputError(
-            f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
-            f"last ({describe(batch)}) is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
+            f"{where} is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
             "learning rate: remove or fix those examples (e.g. torch.nan_to_num, or drop rows where "
             "torch.isfinite(x).all() is False)."
         )
+    target = batch.target
+    if _is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
+        raise NonFiniteInputError(
+            f"{where} has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored "
+            "target is 0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples "
+            "without a scored target (padding only, or too short to predict a next token), or give each batch at "
+            "least one."
+        )
+
+
+def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str | None:
+    """Why a training step failed on `batch`, where its data tells, in words (for fit to name the batch); None where
+    the data shows no cause. Values are read only here, after the failure (one synchronisation)."""
+    if isinstance(error, BatchError):  # the loss found it: a target out of range, every target ignored
+        return str(error)
+    if isinstance(error, ValueError) and batch.size == 1:
+        norms = [name for name, module in model.named_modules() if _is_batch_norm(module) and module.training]
+        if norms:
+            return (
+                f"it holds a single sample, and the BatchNorm layer {norms[0]!r} cannot compute batch statistics "
+                "from one value per channel in training. Leave such batches out: pass drop_last=True to the "
+                "DataLoader, or choose a batch_size that leaves no last batch of one."
+            )
+    if isinstance(error, (IndexError, RuntimeError)):
+        return _token_ids_beyond_embedding(model, batch)
+    return None
+
+
+def _is_batch_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)  # BatchNorm1d, 2d, 3d, SyncBatchNorm and lazy ones
+
+
+def _token_ids_beyond_embedding(model: nn.Module, batch: Batch) -> str | None:
+    """Integer inputs outside the rows of the model's largest nn.Embedding (its vocabulary), in words."""
+    embeddings = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    targets = {id(t) for t in tree_leaves(batch.target)}
+    ids = [t for t in tree_leaves((batch.args, batch.kwargs)) if _is_class_tensor(t) and id(t) not in targets]
+    if not embeddings or not ids:
+        return None
+    name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
+    rows = embedding.num_embeddings
+    try:
+        low, high = torch.stack([torch.stack([t.min(), t.max()]).long() for t in ids if t.numel()]).T.tolist()
+    except RuntimeError:  # nothing to read (empty tensors), or a device that failed for good
+        return None
+    if min(low) >= 0 and max(high) < rows:
+        return None
+    return (
+        f"its integer inputs (token ids) lie in {min(low)}..{max(high)}, but the model's embedding {name!r} has "
+        f"{rows} rows (ids 0..{rows - 1}): an id is out of range for the vocabulary. Encode the data with the "
+        f"model's tokenizer, or build the model with vocab_size={max(high) + 1} or more."
+    )
+
+
+def _is_class_tensor(value) -> bool:
+    """An integer tensor of class indices or token ids (not bool)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
 
 
 def _named_float_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ from torch import nn
 from .. import distributed
 from ..env import resolve_device
 from ..precision import Precision, get_precision
-from ..step import Loss, training_mode
+from ..step import BatchError, Loss, training_mode
 from .data import as_loader, batch_on_device
 from .tally import Tally, check_metrics
 
@@ -66,11 +66,16 @@ def evaluate(
         loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
     tally = Tally(device, loss, metrics)
     with training_mode(model, False):
-        for raw in loader:
+        for number, raw in enumerate(loader, 1):
             batch = batch_on_device(raw, device, channels_last)
-            with precision.autocast():
-                outputs = batch.call(model)
-                value = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
+            if batch.size == 0:
+                continue  # no samples: nothing to add (its mean loss would be 0/0 = NaN)
+            try:
+                with precision.autocast():
+                    outputs = batch.call(model)
+                    value = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
+            except BatchError as error:  # a target out of range: say which batch
+                raise BatchError(f"batch {number} of the evaluation data: {error}") from error
             tally.add(batch, value, outputs)
     if split:
         tally.over_ranks()

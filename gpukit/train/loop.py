@@ -33,7 +33,7 @@ from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_me
 from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedule
 from ..precision import Precision, get_precision
 from ..runfile import run_environment
-from ..step import Batch, Loss, TrainStep, loss_parts
+from ..step import Batch, BatchError, Loss, TrainStep, loss_parts
 from ..validation import check_int, check_number
 from ..widgets import Progress
 from .checkpoint import Checkpointer, warn_if_order_cannot_be_saved
@@ -43,7 +43,9 @@ from .checks import (
     check_eval_data,
     check_finite_inputs,
     check_first_batch,
+    describe,
     explained_model_failure,
+    failed_batch_cause,
     warn_if_scalars_ignored,
 )
 from .data import as_loader, batch_on_device, batches, length
@@ -513,10 +515,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
             break  # leftover micro-batches would leave gradients behind for the next step
         batch = batch_on_device(raw, run.device, run.channels_last)
-        if not run.seen_a_batch:
-            _first_batch(run, batch)
         last = (micro + 1) % run.accumulate == 0  # the micro-batch whose backward ends an optimizer step
-        _micro_step(run, batch, last, tally, window)
+        _train_on(run, batch, micro + 1, epoch, partial(_micro_step, run, batch, last, tally, window))
         micro += 1
         if last:
             _optimizer_step(run, window, epoch, batch)
@@ -534,6 +534,28 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
     if window.steps:
         _log(run, window, epoch, batch)
     return tally, time.perf_counter() - started
+
+
+def _train_on(run: _Run, batch: Batch, number: int, epoch: int, micro_step: Callable[[], None]) -> None:
+    """Run `micro_step` on the epoch's batch `number` (from 1); a failure whose cause its data shows is said with
+    that batch's number, any other gets the number as a note. Nothing here reads the device."""
+    try:
+        if batch.size == 0:  # known on the host, from the shape: no kernel
+            raise BatchError(
+                "it holds 0 samples, whose mean loss is 0/0 = NaN, which would make the weights NaN. Leave empty "
+                "batches out (a sampler, collate_fn or filter that can yield one)."
+            )
+        if not run.seen_a_batch:
+            _first_batch(run, batch)
+        micro_step()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        cause = failed_batch_cause(error, run.model, batch)
+        if cause is None:
+            error.add_note(f"It failed on batch {number} of epoch {epoch + 1}: {describe(batch)}.")
+            raise
+        raise BatchError(f"batch {number} of epoch {epoch + 1} ({describe(batch)}): {cause}") from error
 
 
 def _first_batch(run: _Run, batch: Batch) -> None:
@@ -654,13 +676,13 @@ class _Window:
 def _log(run: _Run, window: _Window, epoch: int, batch: Batch | None = None) -> None:
     row = window.row(run.step_index, epoch + 1, run.step.optimizer.param_groups[0]["lr"])
     if not math.isfinite(row["loss"]):
-        check_finite_inputs(batch, run.step_index, epoch)  # NaN or inf in the data is named as a data problem
+        check_finite_inputs(batch, run.step_index, epoch, run.loss.ignore_index)  # named as a data problem
         raise NonFiniteLossError(
             f"the loss became {row['loss']} between optimizer steps {run.step_index - window.steps + 1} and "
             f"{run.step_index} (epoch {epoch + 1}, precision={run.precision.name}, peak lr={run.peak_lr:g}). Try a "
             "lower lr, more warm-up, gradient clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss "
-            "scaling if you scale by hand). The last batch read holds no NaN or inf (log_every=1 checks the batch "
-            "of every step)."
+            "scaling if you scale by hand). The last batch read holds no NaN or inf and scores at least one target "
+            "(log_every=1 checks the batch of every step)."
             + (f" Nothing non-finite was saved: {run.checkpoint.last_good_save()}." if run.checkpoint else "")
         )
     run.history.steps.append(row)

@@ -1,0 +1,150 @@
+"""Bad training data named with its batch and what to do, instead of an error from deep inside torch or a NaN loss
+blamed on the learning rate: targets out of range on a later batch, integer targets of other dtypes, every target
+ignored, empty batches, a batch of one under BatchNorm, token ids beyond the vocabulary.
+
+Each case on the CPU, seeded, with the MLP of tests/helpers.py and with a second kind of model (the tiny GPT on
+(B, T) tokens, or the Hugging Face-style CausalLM on dict batches)."""
+
+import pytest
+import torch
+from helpers import CausalLM, small_mlp, tiny_gpt, tokens
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpukit as gk
+from gpukit.train import NonFiniteLossError
+
+CPU = torch.device("cpu")
+
+
+def features(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(count, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def classes(count: int, seed: int = 0, high: int = 4) -> torch.Tensor:
+    return torch.randint(0, high, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+def train(model, data, **options):
+    return gk.fit(model, data, device=CPU, progress=False, log_every=1, **options)
+
+
+# The two kinds of model, each with a good batch and a batch whose class targets are out of the model's range.
+KINDS = {
+    "mlp": (small_mlp, lambda: (features(8), classes(8)), lambda: (features(8, 1), classes(8, 1) + 4), 4),
+    "gpt": (tiny_gpt, lambda: (tokens(2, 16), tokens(2, 16)), lambda: (tokens(2, 16, 1), tokens(2, 16, 1) + 256), 256),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_target_out_of_range_in_a_later_batch_names_the_batch_and_the_outputs(kind):
+    build, good, bad, outputs = KINDS[kind]
+    model = build()
+    with pytest.raises(ValueError, match=rf"batch 3 of epoch 1 .*out of range for the model's {outputs} outputs"):
+        train(model, [good(), good(), bad()])
+    with pytest.raises(ValueError, match=r"fix the labels, or give the model \d+ outputs"):
+        train(build(), [good(), bad()])
+
+
+def test_negative_targets_are_named_too():
+    with pytest.raises(ValueError, match=r"batch 2 of epoch 1 .*found -4\.\.-1.*fix the negative labels"):
+        train(small_mlp(), [(features(8), classes(8)), (features(8, 1), classes(8, 1) - 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_integer_targets_of_other_dtypes_train_as_int64_ones(kind, dtype):
+    build, good, _, _ = KINDS[kind]
+    batches = [good(), good()]
+    expected = train(build(), batches, eval_data=batches)
+    converted = [(inputs, target.to(dtype)) for inputs, target in batches]
+    history = train(build(), converted, eval_data=converted)
+    assert history.losses == expected.losses and history.final_train_accuracy == expected.final_train_accuracy
+    assert history.final_eval_loss == expected.final_eval_loss
+
+
+def test_bool_targets_are_refused_naming_the_dtype_and_the_fix():
+    model = small_mlp()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    with pytest.raises(ValueError, match=r"got torch\.bool.*target\.long\(\).*binary_cross_entropy_with_logits"):
+        train(model, [(features(8), classes(8) > 1)])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before any step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_first_batch_whose_targets_are_all_ignored_is_refused_before_any_step(kind):
+    build, good, _, _ = KINDS[kind]
+    model = build()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    inputs, target = good()
+    with pytest.raises(ValueError, match=r"batch 1 of epoch 1 .*targets equals -100 \(ignored\).*NaN.*leave out"):
+        train(model, [(inputs, torch.full_like(target, -100)), good()])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_later_batch_whose_targets_are_all_ignored_is_not_blamed_on_the_lr(kind):
+    build, good, _, _ = KINDS[kind]
+    inputs, target = good()
+    with pytest.raises(
+        NonFiniteLossError, match=r"step 2 .*targets ignored \(equal to -100\).*not in the learning rate"
+    ):
+        train(build(), [good(), (inputs, torch.full_like(target, -100))])
+
+
+def test_all_ignored_labels_with_the_models_own_loss_are_named():
+    """A dict batch whose labels the model scores itself (model(**batch).loss): no kit loss looks at them first."""
+    ids = tokens(2, 16)
+    batches = [{"input_ids": ids, "labels": ids}, {"input_ids": ids, "labels": torch.full_like(ids, -100)}]
+    with pytest.raises(NonFiniteLossError, match=r"targets ignored \(equal to -100\).*not in the learning rate"):
+        train(CausalLM(), batches)
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_an_empty_batch_is_named_before_its_step(where):
+    batches = [(features(8), classes(8)), (features(8, 1), classes(8, 1))]
+    batches.insert(where, (features(0), classes(0)))
+    model = small_mlp()
+    with pytest.raises(ValueError, match=rf"batch {where + 1} of epoch 1 .*holds 0 samples.*Leave empty batches out"):
+        train(model, batches)
+
+
+def test_evaluate_leaves_an_empty_batch_out():
+    model, batches = small_mlp(), [(features(8), classes(8)), (features(8, 1), classes(8, 1))]
+    with_empty = gk.evaluate(model, [batches[0], (features(0), classes(0)), batches[1]], device=CPU)
+    assert with_empty == gk.evaluate(model, batches, device=CPU)
+
+
+def test_a_target_out_of_range_in_evaluation_names_the_batch():
+    batches = [(features(8), classes(8)), (features(8, 1), classes(8, 1) + 4)]
+    with pytest.raises(ValueError, match=r"batch 2 of the evaluation data.*out of range for the model's 4 outputs"):
+        gk.evaluate(small_mlp(), batches, device=CPU)
+
+
+def batch_norm_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_batch_norm_on_a_last_batch_of_one_names_the_batch_and_drop_last():
+    loader = DataLoader(TensorDataset(features(9), classes(9)), batch_size=8)  # 8 + 1
+    with pytest.raises(ValueError, match=r"batch 2 of epoch 1 .*single sample.*BatchNorm layer '1'.*drop_last=True"):
+        train(batch_norm_mlp(), loader)
+    history = train(batch_norm_mlp(), DataLoader(loader.dataset, batch_size=8, drop_last=True))
+    assert len(history.steps) == 1  # what the message says to do trains
+
+
+def test_token_ids_beyond_the_vocabulary_name_the_embedding():
+    batches = [(tokens(2, 16), tokens(2, 16)), (tokens(2, 16, 1) + 256, tokens(2, 16, 1))]
+    with pytest.raises(
+        ValueError, match=r"batch 2 of epoch 1 .*token ids\) lie in \d+\.\.511.*256 rows.*vocab_size=512"
+    ):
+        train(tiny_gpt(), batches)
+
+
+def test_another_failure_on_a_later_batch_carries_its_number():
+    """No cause in the data to name: the original error, with the batch it happened on as a note."""
+    batches = [(features(8), classes(8)), (features(8, 1)[:, :5], classes(8, 1))]  # 5 features, not 6
+    with pytest.raises(RuntimeError) as caught:
+        train(small_mlp(), batches)
+    assert any("batch 2 of epoch 1: input (8, 5) float32" in note for note in caught.value.__notes__)

@@ -4,20 +4,25 @@ a save killed mid-write leaves. Exact resume for every data form and optimizer: 
 
 import copy
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import gpukit as gk
+from gpukit.train import checkpoint as checkpoint_module
 from gpukit.train.checkpoint import read_checkpoint, write_checkpoint
 from tests.helpers import tiny_gpt
-from tests.test_resume import COMMON, FORMS, assert_same_run, train
+from tests.test_resume import COMMON, FORMS, assert_same_run, disturb_generators, train
 
 
 class Crash(Exception):
@@ -169,6 +174,95 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint(tmp_path):
     _, resumed = train(make_model, make_data, tmp_path / "resumed", crashes=(), **options)
     assert_same_run(tmp_path / "straight", tmp_path / "resumed", straight, resumed)
     assert not list((tmp_path / "resumed").glob(".*.tmp"))
+
+
+# A run killed by SIGKILL at random moments: each life of it is a process forked from a fork server that imported
+# torch and gpukit once (a spawned process imports them again: 14-17 s each on this 2-core machine at load 7, where a
+# fork takes milliseconds); the server never runs an op, so forking from it is as safe as spawning (no OpenMP region
+# entered, no autograd threads, no CUDA).
+HELD_OUT = TensorDataset(torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(9)), torch.arange(8) % 4)
+# 12 optimizer steps per epoch, 2 epochs, a save after every step and an evaluation after each epoch; dropout, and
+# augmentation drawn from NumPy's and Python's generators.
+KILLED_RUN = (*FORMS["dataset shuffled by fit"][:2], COMMON | {"batch_size": 8, "save_every": 1, "eval_data": HELD_OUT})
+
+
+def counting(function, at: int, reached):
+    """`function`, setting the event `reached` as its `at`-th call begins (0: never)."""
+    calls = 0
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == at:
+            reached.set()
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def live_until_killed(directory: str, life: int, trigger: tuple[str, int], reached, history_path: str) -> None:
+    """One life of the run in `directory`: resume from its last save and train to the end, setting `reached` at the
+    trigger ("loss", n): the n-th loss call of this life (evaluation's too), or ("save", n): the n-th save begins."""
+    torch.set_num_threads(1)  # as the uninterrupted run (the test's one_thread)
+    make_model, make_data, options = KILLED_RUN
+    kind, at = trigger
+    loss_fn = counting(nn.functional.cross_entropy, at if kind == "loss" else 0, reached)
+    checkpoint_module.write_checkpoint = counting(
+        checkpoint_module.write_checkpoint, at if kind == "save" else 0, reached
+    )
+    disturb_generators(100 + life)  # each life starts with other generators: the resume must restore them
+    history = gk.fit(make_model(), make_data(), loss_fn=loss_fn, checkpoint_dir=directory, **options)
+    history.save(history_path)
+
+
+@pytest.fixture
+def fork_server():
+    """A multiprocessing context whose processes fork from a server that imported torch, gpukit and this module once;
+    the server is stopped afterwards."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork server on this platform (Windows)")
+    context = multiprocessing.get_context("forkserver")
+    # torch._dynamo: what building the first optimizer imports (10 s of a first fit at load 8-10 here).
+    context.set_forkserver_preload(["torch", "torch._dynamo", "gpukit", "tests.test_checkpoint"])
+    multiprocessing.forkserver.ensure_running()  # it imports them while the test trains its uninterrupted run
+    yield context
+    multiprocessing.forkserver._forkserver._stop()
+    context.set_forkserver_preload([])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_sigkilled_at_random_moments_resumes_bit_equal(fork_server, tmp_path):
+    """Five lives killed with SIGKILL a random 0-10 ms after a seeded random event in the first half of what each
+    has to train (a loss call, or the start of a save: a save takes ~60 ms here, so those kills land inside it),
+    each leaving a folder that resumes; then a life to the end: the same weights, optimizer, schedule, generators
+    and rows as a run never interrupted. (A kill at a chosen point of a save: the test above.)"""
+    make_model, make_data, options = KILLED_RUN
+    straight, straight_history = train(make_model, make_data, tmp_path / "straight", **options)
+    directory, draw, kills = tmp_path / "killed", random.Random(0), 0
+    for life in range(6):
+        saved = read_checkpoint(directory / "last.pt")["step"] if (directory / "last.pt").exists() else 0
+        remaining = 24 - saved  # optimizer steps still to train, each a save and a loss call
+        trigger = (draw.choice(["loss", "save"]), draw.randint(1, max(remaining // 2, 1))) if life < 5 else ("", 0)
+        reached = fork_server.Event()
+        process = fork_server.Process(
+            target=live_until_killed, args=(str(directory), life, trigger, reached, str(tmp_path / "history.json"))
+        )
+        process.start()
+        if life < 5 and reached.wait(120):
+            time.sleep(draw.uniform(0, 0.01))
+            process.kill()
+        process.join(120)
+        if process.exitcode == 0:
+            break
+        assert process.exitcode == -signal.SIGKILL, f"life {life} ({trigger}) ended with exit code {process.exitcode}"
+        kills += 1
+        read_checkpoint(directory / "last.pt")  # what a kill leaves is always a checkpoint that reads (or none)
+    assert process.exitcode == 0 and kills >= 3, kills
+    resumed_history = gk.History.load(tmp_path / "history.json")
+    assert_same_run(tmp_path / "straight", directory, straight_history, resumed_history)
+    saved = read_checkpoint(directory / "last.pt")["model"]
+    assert all(torch.equal(value, saved[name]) for name, value in straight.state_dict().items())
+    assert not list(directory.glob(".*.tmp"))
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):

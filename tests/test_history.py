@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import TensorDataset
 from torch.utils.tensorboard import SummaryWriter
 
 import gpukit as gk
@@ -22,6 +23,8 @@ from gpukit import runfile
 from gpukit.data import shapes
 from gpukit.train import HistoryFileError
 from gpukit.train.tensorboard_log import TensorBoardLog
+from tests.helpers import small_mlp, tiny_gpt, tokens
+from tests.test_resume import train
 
 matplotlib.use("Agg")  # figures are drawn, never shown
 
@@ -505,3 +508,145 @@ def test_default_labels_are_distinct(runs, tmp_path):
     plt.close(figure)
     assert table.column("run") == ["run (1)", "run (2)"]
     assert math.isclose(table[0]["seconds"], cnn.seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# The lr column: the lr each logged step trained with, every parameter group's
+
+
+def recording_lrs(build):
+    """(a function of the parameters for fit's optimizer=, the list it fills): `build`'s optimizer with a hook that
+    records each group's lr as optimizer.step begins, which is the lr that step trains with."""
+    trained = []
+
+    def built(parameters):
+        optimizer = build(parameters)
+        optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs: trained.append([group["lr"] for group in optimizer.param_groups])
+        )
+        return optimizer
+
+    return built, trained
+
+
+def one_group(parameters):
+    return torch.optim.AdamW(parameters, lr=1e-3)
+
+
+def two_groups(parameters):
+    """The first half of the parameters at 1e-3, the rest at 1e-2: two groups whose lrs differ at every step."""
+    parameters = list(parameters)
+    half = len(parameters) // 2
+    return torch.optim.AdamW([{"params": parameters[:half], "lr": 1e-3}, {"params": parameters[half:], "lr": 1e-2}])
+
+
+def row_lrs(row: dict) -> list[float]:
+    """A History.steps row's lr of each parameter group: lr, then lr_group1, lr_group2, ..."""
+    return [row["lr"]] + [row[f"lr_group{group}"] for group in range(1, 1 + sum(k.startswith("lr_group") for k in row))]
+
+
+def mlp_features():
+    """96 samples of 6 features, 4 classes: 6 optimizer steps per epoch at batch_size 16."""
+    generator = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(96, 6, generator=generator), torch.randint(0, 4, (96,), generator=generator))
+
+
+def gpt_tokens():
+    """6 batches of 4 windows of 16 byte tokens, each target the next token: 6 optimizer steps per epoch."""
+    windows = tokens(24, 17, seed=7)
+    return [(windows[i : i + 4, :-1], windows[i : i + 4, 1:]) for i in range(0, 24, 4)]
+
+
+LR_MODELS = {
+    "mlp": (small_mlp, mlp_features, {"batch_size": 16}),
+    "gpt": (lambda: tiny_gpt(max_seq_len=16), gpt_tokens, {}),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("log_every", [1, 4])
+@pytest.mark.parametrize("build", [one_group, two_groups])
+@pytest.mark.parametrize("kind", LR_MODELS)
+def test_each_row_shows_the_lr_its_step_trained_with(kind, build, log_every):
+    """The rows read the next step's lr (warm-up rows 0.0005, 0.00075, 0.001 where the steps trained at 0.00025,
+    0.0005, 0.00075), and the first parameter group's alone."""
+    make_model, make_data, options = LR_MODELS[kind]
+    optimizer, trained = recording_lrs(build)
+    history = gk.fit(
+        make_model(),
+        make_data(),
+        **options,
+        optimizer=optimizer,
+        schedule="linear",
+        warmup_steps=3,
+        epochs=2,
+        log_every=log_every,
+        progress=False,
+        device="cpu",
+    )
+    assert len(trained) == 12  # 6 steps in each of 2 epochs
+    steps = [row["step"] for row in history.steps]
+    assert steps == (list(range(1, 13)) if log_every == 1 else [4, 6, 10, 12])  # each epoch's last step ends a row
+    for row in history.steps:  # a row of several steps shows its last step's lr (the step it is logged at)
+        assert row_lrs(row) == trained[row["step"] - 1], row["step"]
+    groups = 2 if build is two_groups else 1
+    assert all(len(row_lrs(row)) == groups for row in history.steps)  # a column per group whose lr differs
+    if log_every == 1:  # the warm-up's first step trains at a quarter of the peak: (0 + 1) / (3 + 1)
+        assert row_lrs(history.steps[0]) == pytest.approx([1e-3 / 4, 1e-2 / 4][:groups], rel=1e-12)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_run_logs_the_rows_of_an_uninterrupted_one(tmp_path):
+    """Two groups, a row every 4 steps (6 per epoch), saves every 3: killed in step 5 (resumed from the save at step
+    3, in the middle of a row's window), then in epoch 1's evaluation (resumed from the save at step 6, whose window
+    holds steps 5 and 6: that row is logged from the saved window alone)."""
+    held_out = TensorDataset(torch.randn(4, 6, generator=torch.Generator().manual_seed(8)), torch.arange(4))
+    options = dict(
+        batch_size=16,
+        optimizer=two_groups,
+        schedule="linear",
+        warmup_steps=3,
+        epochs=2,
+        log_every=4,
+        save_every=3,
+        eval_data=held_out,
+        progress=False,
+        device="cpu",
+    )
+    _, straight = train(small_mlp, mlp_features, tmp_path / "straight", **options)
+    # Loss call 1 checks eval_data before any work; calls 2-7 are epoch 1's steps, 8 its evaluation. After the
+    # resume from step 3: call 1 the check, 2-4 steps 4-6, 5 the evaluation.
+    _, resumed = train(small_mlp, mlp_features, tmp_path / "resumed", crashes=(6, 5), **options)
+    timed = ("step_time", "samples_per_second")
+    assert [{k: v for k, v in row.items() if k not in timed} for row in resumed.steps] == [
+        {k: v for k, v in row.items() if k not in timed} for row in straight.steps
+    ]
+    assert [row["step"] for row in straight.steps] == [4, 6, 10, 12] and "lr_group1" in straight.steps[0]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_every_groups_lr_is_saved_loaded_exported_and_logged(tmp_path):
+    optimizer, trained = recording_lrs(two_groups)
+    history = gk.fit(
+        small_mlp(),
+        mlp_features(),
+        batch_size=16,
+        optimizer=optimizer,
+        schedule="linear",
+        warmup_steps=3,
+        log_every=1,
+        progress=False,
+        device="cpu",
+        log_dir=tmp_path / "log",
+    )
+    assert [row_lrs(row) for row in history.steps] == trained
+    assert gk.History.load(history.save(tmp_path / "run.json")).steps == history.steps
+    with open(history.to_csv(tmp_path / "steps.csv", rows="steps")) as file:
+        assert [[float(row["lr"]), float(row["lr_group1"])] for row in csv.DictReader(file)] == trained
+    assert scalars(tmp_path / "log")["steps/lr_group1"] == [
+        (step, float(np.float32(lrs[1]))) for step, lrs in enumerate(trained, 1)
+    ]
+    figure, table = gk.plots.compare([history, tmp_path / "run.json"])
+    plt.close(figure)
+    plt.close(history.plot())
+    assert len(table) == 2

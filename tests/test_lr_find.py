@@ -5,6 +5,7 @@ bad input) is in tests/test_optim.py."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import gpukit as gk
-from gpukit.train.lr_finder import _suggest
-from tests.helpers import tiny_gpt
+from gpukit.train.lr_finder import MIN_STEPS, _suggest
+from tests.helpers import small_mlp, tiny_gpt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
@@ -128,17 +129,77 @@ class Passes:
 def test_data_shorter_than_the_sweep_is_read_again_pass_after_pass():
     data = quadrant_images(5 * 8)
     batches = Passes([(data.tensors[0][i : i + 8], data.tensors[1][i : i + 8]) for i in range(0, 40, 8)])
-    result = gk.lr_find(cnn(), batches, steps=12, accumulate=2, end_lr=1e-2, device="cpu")
-    assert len(result.lrs) == 12 and batches.passes == 5  # 24 micro-batches from 5 a pass
+    result = gk.lr_find(cnn(), batches, steps=20, accumulate=2, end_lr=1e-2, device="cpu")
+    assert len(result.lrs) == 20 and batches.passes == 8  # 40 micro-batches from 5 a pass
     loader = gk.data.DeviceLoader(gk.data.shapes(48, 0, seed=0)[0], 16, device="cpu")  # 3 batches, reshuffled
-    result = gk.lr_find(gk.models.fast_cnn(4), loader, steps=10, end_lr=1e-2, device="cpu")
-    assert len(result.lrs) == 10
+    result = gk.lr_find(gk.models.fast_cnn(4), loader, steps=20, end_lr=1e-2, device="cpu")
+    assert len(result.lrs) == 20
 
 
 def test_data_that_cannot_be_read_again_or_is_empty_is_a_clear_error():
     data = quadrant_images(5 * 8)
     batches = [(data.tensors[0][i : i + 8], data.tensors[1][i : i + 8]) for i in range(0, 40, 8)]
     with pytest.raises(ValueError, match="generator or iterator can be read only once"):
-        gk.lr_find(cnn(), iter(batches), steps=10, device="cpu")
+        gk.lr_find(cnn(), iter(batches), steps=20, device="cpu")
     with pytest.raises(ValueError, match="got no batch"):
-        gk.lr_find(cnn(), [], steps=10, device="cpu")
+        gk.lr_find(cnn(), [], steps=20, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Too few steps to see a curve
+
+
+def valley(count: int, seed: int):
+    """(lrs, losses) of a made sweep of `count` steps over 6 decades: the loss falls until 44% of the sweep (in log
+    lr), bottoms out until 66% (the best lr), then rises; plus seeded noise of 0.03."""
+    fractions = [i / (count - 1) for i in range(count)]
+    levels = [
+        1.0 + 1.5 / (1 + math.exp((x - 0.44) / 0.044)) if x < 0.66 else 1.08 ** ((x - 0.655) * 90) for x in fractions
+    ]
+    lrs = [1e-5 * 1e6**x for x in fractions]
+    generator = torch.Generator().manual_seed(seed)
+    return lrs, [level + 0.03 * torch.randn((), generator=generator).item() for level in levels]
+
+
+def test_fewer_steps_than_the_rule_needs_suggest_an_lr_where_the_loss_rises():
+    """Why lr_find asks for MIN_STEPS: the suggestion reads medians of 5 steps, and on a sweep of a few of them its
+    best lr lies where the loss already rises (5 steps: the sweep's end; 8: the last step but one; 10 seeds each),
+    where from MIN_STEPS on it is the valley's bottom."""
+    bottom = (1e-5 * 1e6**0.55, 1e-5 * 1e6**0.72)  # the best lr, around the bottom's end at 66% of the sweep
+    for seed in range(10):
+        for count in (5, 8):
+            assert _suggest(*valley(count, seed), "diverged").best_lr > bottom[1], (seed, count)
+        enough = _suggest(*valley(MIN_STEPS, seed), "diverged")
+        assert bottom[0] <= enough.best_lr <= bottom[1], (seed, enough)
+
+
+def two_batches():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(32, 6, generator=generator)
+    labels = (features[:, 0] > 0).long() + 2 * (features[:, 1] > 0).long()
+    return Passes([(features[:16], labels[:16]), (features[16:], labels[16:])])
+
+
+def test_too_few_steps_are_refused_before_any_work_naming_what_to_pass():
+    """lr_find(model, two_batches, steps=5) suggested end_lr ÷ 10 (lr 1 for AdamW on an MLP), whatever the loss did."""
+    data = two_batches()
+    with pytest.raises(ValueError, match=rf"steps must be an integer >= {MIN_STEPS} .*pass steps={MIN_STEPS}.*got 5"):
+        gk.lr_find(small_mlp(), data, optimizer="adamw", steps=5, device="cpu")
+    assert data.passes == 0  # refused before the data was read
+    result = gk.lr_find(small_mlp(), data, optimizer="adamw", steps=MIN_STEPS, device="cpu")
+    assert len(result.lrs) == MIN_STEPS or "diverged" in result.stopped
+
+
+def test_a_sweep_that_diverges_before_a_curve_says_which_end_lr_to_pass():
+    """Least squares with SGD diverges once lr passes 2 / (the largest eigenvalue): here within the sweep's first
+    steps. The finder said nothing of it and suggested a tenth of an lr from a handful of steps."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 6, generator=generator)
+    data = [(features[i : i + 16], features[i : i + 16].sum(1, keepdim=True)) for i in range(0, 64, 16)]
+    torch.manual_seed(0)
+    options = dict(optimizer="nesterov", loss_fn="mse", start_lr=1e-2, steps=40, device="cpu")
+    with pytest.raises(ValueError, match=r"diverged after (\d+) steps.*pass end_lr=([0-9.e+-]+)") as refused:
+        gk.lr_find(nn.Linear(6, 1), data, end_lr=1e6, **options)
+    end_lr = float(re.search(r"end_lr=([0-9.e+-]+)", str(refused.value))[1])
+    result = gk.lr_find(nn.Linear(6, 1), data, end_lr=end_lr, **options)  # what it said to pass: a curve to read
+    assert result.lrs[-1] <= end_lr and result.suggestion < end_lr

@@ -201,20 +201,20 @@ def test_lr_find_with_dict_and_token_batches_precision_and_accumulation(device):
     batches = [
         {"features": torch.randn(8, 4, generator=generator), "labels": torch.randint(0, 3, (8,))} for _ in range(20)
     ]
-    result = gk.lr_find(DictModel(), batches, optimizer="adamw", steps=10, accumulate=2, device=device)
+    result = gk.lr_find(DictModel(), batches, optimizer="adamw", steps=20, accumulate=2, device=device)
     assert len(result.lrs) >= 3
     model = gpt()
     tokens = [sample(model) for _ in range(8)]
-    result = gk.lr_find(model, tokens, optimizer="muon", steps=8, precision="bf16-mixed", device=device)
+    result = gk.lr_find(model, tokens, optimizer="muon", steps=20, precision="bf16-mixed", device=device)
     assert all(math.isfinite(loss) for loss in result.losses[:3])
 
 
 def test_lr_find_bad_inputs(device):
     batches = [sample(cnn()) for _ in range(5)]
     with pytest.raises(ValueError, match="end_lr"):
-        gk.lr_find(cnn(), batches, start_lr=1.0, end_lr=0.1, steps=5, device=device)
+        gk.lr_find(cnn(), batches, start_lr=1.0, end_lr=0.1, steps=20, device=device)
     with pytest.raises(ValueError, match="lr must be"):
-        gk.lr_find(cnn(), batches, start_lr=0.0, steps=5, device=device)
+        gk.lr_find(cnn(), batches, start_lr=0.0, steps=20, device=device)
 
 
 # ---------------------------------------------------------------------------------------------

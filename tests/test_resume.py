@@ -304,13 +304,14 @@ def test_a_finished_run_goes_on_with_a_new_schedule(tmp_path):
     with pytest.warns(UserWarning, match=r"finished run.*new 'onecycle' schedule \(peak lr 0.02"):
         history = gk.fit(model, make_data(), epochs=2, lr=0.02, **options)
     assert [row["epoch"] for row in history.epochs] == [1, 2] and len(history.steps) == 12
-    # Epoch 2's learning rates are a fresh one-cycle schedule over its 6 steps at the new peak.
+    # Epoch 2's learning rates are a fresh one-cycle schedule over its 6 steps at the new peak (each row: the lr its
+    # step trained with).
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.02)
     schedule, expected = gk.optim.make_schedule(optimizer, "onecycle", 6, 0.2), []
     for _ in range(6):
+        expected.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
-        expected.append(optimizer.param_groups[0]["lr"])
     assert [row["lr"] for row in history.steps[6:]] == pytest.approx(expected, rel=1e-12)
     # A finished run asked for fewer steps than it has is refused, saying so (not that the file is damaged).
     with pytest.raises(gk.CheckpointError, match="finished after 12 optimizer steps") as refused:

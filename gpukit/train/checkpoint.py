@@ -292,7 +292,7 @@ def _load_sums(holder, state: dict, device: torch.device) -> None:
 
 
 _TALLY_FIELDS = ("samples", "accuracy", "sequences")
-_WINDOW_FIELDS = ("sequences", "micro_batches", "samples", "steps")
+_WINDOW_FIELDS = ("sequences", "micro_batches", "samples", "steps", "lrs")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ class History:
     steps:  one row per logged window of `log_every` optimizer steps: step (the last in the
             window), epoch, loss (mean over the window), each of the model's own losses where it
             returns a dict of them (a detector's loss_classifier, loss_box_reg, …: their sum is the
-            loss), lr, step_time (s, mean over the window),
+            loss), lr (what the window's last step trained with, read before the schedule moved on; the first
+            parameter group's; a History saved by an earlier gpukit holds the next step's there) and lr_group1,
+            lr_group2, … (each other group's) where the groups' lrs differ, step_time (s, mean over the window),
             samples_per_second (all ranks), and tokens_per_second for token sequences, (B, T)
             integer targets (scored target tokens; a segmentation's (B, H, W) pixels are not tokens:
             its samples are images, counted by samples_per_second).

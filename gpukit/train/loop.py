@@ -592,6 +592,7 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
 
 def _optimizer_step(run: _Run, window: _Window, epoch: int, batch: Batch) -> None:
     run.phase = "optimizer step"
+    window.lrs = [group["lr"] for group in run.step.optimizer.param_groups]  # this step's: the schedule moves on next
     run.step.step()
     run.scheduler.step()
     run.phase = "loading data"
@@ -641,6 +642,7 @@ class _Window:
         self.sums = RunningSums(self.device, ["loss", "tokens"])
         self.sequences = False
         self.micro_batches = self.samples = self.steps = 0
+        self.lrs: list[float] = []  # each parameter group's lr that the window's last step trained with
         self.started = time.perf_counter()
 
     def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
@@ -654,7 +656,7 @@ class _Window:
             self.sequences = True
             self.sums.defer("tokens", batch.count_tokens())
 
-    def row(self, step: int, epoch: int, lr: float) -> dict:
+    def row(self, step: int, epoch: int, lrs: list[float]) -> dict:
         """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""
         self.sums.over_ranks()
         sums, ranks = self.sums.read(), distributed.world_size()
@@ -664,7 +666,7 @@ class _Window:
             "step": step,
             "epoch": epoch,
             **mean,  # the loss, then each of the model's own losses (a dict of them)
-            "lr": lr,
+            **_lr_columns(lrs),
             "step_time": elapsed / self.steps,
             "samples_per_second": self.samples * ranks / elapsed,
         }
@@ -673,8 +675,18 @@ class _Window:
         return row
 
 
+def _lr_columns(lrs: list[float]) -> dict[str, float]:
+    """lr (the first parameter group's), then lr_group1, lr_group2, ... for the others where the groups' lrs differ."""
+    columns = {"lr": lrs[0]}
+    if len(set(lrs)) > 1:
+        columns |= {f"lr_group{index}": lr for index, lr in enumerate(lrs[1:], start=1)}
+    return columns
+
+
 def _log(run: _Run, window: _Window, epoch: int, batch: Batch | None = None) -> None:
-    row = window.row(run.step_index, epoch + 1, run.step.optimizer.param_groups[0]["lr"])
+    # A window resumed from a file saved before windows kept their lrs has none: the optimizer's now is the nearest.
+    lrs = window.lrs or [group["lr"] for group in run.step.optimizer.param_groups]
+    row = window.row(run.step_index, epoch + 1, lrs)
     if not math.isfinite(row["loss"]):
         check_finite_inputs(batch, run.step_index, epoch, run.loss.ignore_index)  # named as a data problem
         raise NonFiniteLossError(

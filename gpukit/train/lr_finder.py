@@ -37,6 +37,10 @@ from .data import as_loader, batch_on_device
 
 SUGGESTION_RULE = "the largest lr at which the smoothed loss is still at its lowest level ÷ 10"
 NOISE_BAND = 6.0  # the lowest level: within this many standard deviations of the smoothed curve's noise
+# The fewest steps, and the fewest finite steps before a divergence, that show a curve: the suggestion reads medians of
+# 5 steps, and on a made valley (6 decades, noise 0.03, 10 seeds) sweeps of 5 and 8 steps put it where the loss already
+# rose (5: always the sweep's end), while from 15 steps on it was the bottom's end every time (tests/test_lr_find.py).
+MIN_STEPS = 20
 
 
 @dataclass
@@ -80,7 +84,13 @@ def _check(start_lr, end_lr, steps, smoothing, diverge) -> None:
     check_lr(end_lr)
     if end_lr <= start_lr:
         raise ValueError(f"end_lr ({end_lr:g}) must be above start_lr ({start_lr:g}): the test sweeps upwards.")
-    check_int("steps", steps, minimum=5, note="(optimizer steps of the sweep)")
+    check_int(
+        "steps",
+        steps,
+        minimum=MIN_STEPS,
+        note=f"(optimizer steps of the sweep: fewer show no curve to read a suggestion from; pass steps={MIN_STEPS} "
+        "or more, 100 by default; data shorter than the sweep is read again)",
+    )
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing must lie in [0, 1) (0: no smoothing), got {smoothing!r}.")
     if not diverge > 1:
@@ -118,6 +128,10 @@ def lr_find(
     tenth of it stays clear of the edge. The first tenth of the steps is left out of the search.
     `steepest` (where the smoothed loss falls fastest) and `lowest_lr` are returned too.
 
+    Too few steps to show a curve are refused: `steps` below MIN_STEPS (20) before any work, and a sweep whose
+    loss diverged before MIN_STEPS finite steps with a ValueError that says which end_lr (or start_lr) to pass;
+    a suggestion read from a handful of steps would be where the loss already rises, whatever it did.
+
     Data shorter than `steps × accumulate` batches is read again, pass after pass (each in a new
     order where the loader shuffles), as fastai's lr_find does; a generator read to its end is an
     error. The model's parameters, buffers and gradients, and the state of an Optimizer you pass,
@@ -151,12 +165,23 @@ def lr_find(
         if saved_optimizer is not None:
             optimizer.load_state_dict(saved_optimizer)
         model.to(original_device)
-    finite = len(losses) if math.isfinite(losses[-1]) else len(losses) - 1
-    if finite < 3:
-        raise ValueError(
-            f"the loss diverged after {len(lrs)} steps, at lr {lrs[-1]:.3g}: start lower (start_lr={start_lr / 100:g})."
-        )
+    _check_enough_before_divergence(lrs, losses, start_lr)
     return _suggest(lrs, losses, stopped)
+
+
+def _check_enough_before_divergence(lrs: list[float], losses: list[float], start_lr: float) -> None:
+    """Refuse to suggest from a sweep that diverged before MIN_STEPS finite steps: too few to show a curve."""
+    finite = len(losses) if math.isfinite(losses[-1]) else len(losses) - 1
+    if finite >= MIN_STEPS:
+        return
+    if finite < 3:  # (nearly) at once: the range starts too high
+        advice = f"start lower (start_lr={start_lr / 100:g})"
+    else:  # every step of a sweep that ends there lies below it
+        advice = f"pass end_lr={lrs[-1]:.3g}, where it diverged, so that the whole sweep lies below it"
+    raise ValueError(
+        f"the loss diverged after {len(lrs)} steps, at lr {lrs[-1]:.3g}: {finite} finite steps are too few to read a "
+        f"suggestion from (lr_find needs {MIN_STEPS} before it diverges); {advice}."
+    )
 
 
 def _cycle(loader) -> Iterator:

@@ -1,6 +1,6 @@
 """`fit(log_dir=...)`: History's rows as TensorBoard scalars, written as fit logs them.
 
-Tags are History's own column names: `steps/<column>` at the optimizer step (loss, lr, step_time,
+Tags are History's own column names: `steps/<column>` at the optimizer step (loss, lr, lr_group1, ..., step_time,
 samples_per_second, tokens_per_second for sequences) and `epochs/<column>` at the epoch number
 (train_loss, eval_accuracy, your metrics, peak_memory where measured, seconds, and any numeric
 column added later, such as energy). The rows hold host numbers already, so writing them never

@@ -541,8 +541,9 @@ def test_channels_last_gives_the_same_model(device):
 
 
 def test_channels_last_on_tokens_says_it_does_nothing(corpus, device):
-    with pytest.warns(UserWarning, match="channels_last=True applies to 4-D image batches"):
+    with pytest.warns(UserWarning, match="channels_last=True applies to 4-D image batches") as caught:
         gk.fit(tiny_gpt(), corpus[0], batch_size=8, max_steps=2, channels_last=True, progress=False, device=device)
+    assert [w.filename for w in caught if "channels_last" in str(w.message)] == [__file__]  # points at fit's caller
 
 
 def test_compile_runs_dict_batches_and_sequence_models(corpus, device):

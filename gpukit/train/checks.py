@@ -433,7 +433,7 @@ def warn_if_scalars_ignored(loss: Loss, outputs) -> None:
         f"{loss.name} of the prediction {predicted} alone. To train on {' + '.join(scalars)} too, pass "
         f"loss_fn=lambda outputs, target: {function}({predicted}, target) + {' + '.join(scalars)} (your loss_fn gets "
         "the outputs whole); if they are no losses, ignore this warning.",
-        stacklevel=6,  # fit's caller: here ← _micro_step ← _train_epoch ← _train ← fit ← caller
+        stacklevel=7,  # fit's caller: here ← _micro_step ← _train_on ← _train_epoch ← _train ← fit ← caller
     )
 
 

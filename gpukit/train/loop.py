@@ -570,7 +570,7 @@ def _first_batch(run: _Run, batch: Batch) -> None:
         warnings.warn(
             "channels_last=True applies to 4-D image batches; these inputs have none, so "
             "only the model's 4-D weights were converted.",
-            stacklevel=5,
+            stacklevel=6,  # fit's caller: here ← _first_batch ← _train_on ← _train_epoch ← _train ← fit ← caller
         )
 
 

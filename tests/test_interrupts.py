@@ -7,7 +7,6 @@ bit-equal to a run never interrupted: weights, optimizer state and History rows.
 
 In-process on the CPU: each point is a counter at a place the loop passes through, raising at its n-th call."""
 
-import re
 from collections import Counter
 
 import pytest
@@ -162,7 +161,7 @@ POINTS = {
 }
 SAME_OBJECTS = {  # points after a save, also resumed with the interrupted call's own model and data objects (before
     # the first save there is nothing to resume from: a call again trains on from the weights as they are, the note says)
-    "after optimizer step 2's update",
+    "the schedule's step after optimizer step 3",
     "after epoch 1's save is written",
     "after a save, before the epoch ends",
     "evaluation after epoch 1",

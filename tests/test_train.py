@@ -945,7 +945,7 @@ def test_an_interrupted_fit_leaves_no_gradients_and_says_how_far_it_got(kind):
     with pytest.raises(KeyboardInterrupt) as stopped:
         gk.fit(model, data, optimizer=interrupted_at(3), **options)
     assert all(parameter.grad is None for parameter in model.parameters())
-    assert "fit stopped in epoch 1 after optimizer step 2 of 4" in "".join(stopped.value.__notes__)
+    assert "fit stopped in epoch 1 during optimizer step 3 of 4" in "".join(stopped.value.__notes__)
     # The next fit equals one from the same weights in a model that never had gradients.
     fresh = make_model()
     fresh.load_state_dict(model.state_dict())

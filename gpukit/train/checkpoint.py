@@ -100,7 +100,9 @@ def write_checkpoint(state: dict, path: Path) -> None:
         hashing = _Hashing(file)
         try:
             torch.save(state, hashing)
-        except RuntimeError:
+        except RuntimeError as error:
+            if isinstance(error.__context__, KeyboardInterrupt):  # Ctrl-C while torch's C++ writer called write()
+                raise error.__context__ from None  # as Ctrl-C, not torch's "unexpected pos" RuntimeError
             if hashing.error is None:
                 raise
             raise hashing.error from None  # the disk's own error (ENOSPC, EROFS), not torch's "unexpected pos"
@@ -446,6 +448,7 @@ class Checkpointer:
         self.last_good = None  # (epoch counted from 1, optimizer step) of the save last.pt holds, if any
         self.kept_if_in_flight_fails = None  # last_good before the save being written in the background
         self.release = None  # lets the folder go (lock_folder), once this run holds it
+        self.in_flight = None  # (last_good of the save being written, last.pt's identity before it) during a save
 
     def hold(self) -> None:
         """Take the folder for this run, or raise FolderInUseError if another live process trains in it: two runs
@@ -578,6 +581,8 @@ class Checkpointer:
         """Save `run` after `position` micro-batches of epoch `epoch` (counted from 0); every rank calls it. A state
         that is not finite is never written over the last good save: a NonFiniteLossError names that save."""
         self._refuse_non_finite(run, epoch + (position > 0))
+        # What this save will be, and last.pt's inode before it: a save interrupted after its rename is known by that
+        self.in_flight = (epoch + (position > 0), run.step_index), _identity(self.path)
         ranks = _every_rank(self._this_rank(run, position, tally, window))
         if distributed.is_main():  # one writer: the model and optimizer are the same on every rank
             history = run.history
@@ -598,7 +603,7 @@ class Checkpointer:
                 "ranks": ranks,
             }
             self._write(state)
-        self.last_good = (epoch + (position > 0), run.step_index)
+        self.last_good, self.in_flight = self.in_flight[0], None
         distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
 
     def _write(self, state: dict) -> None:
@@ -637,9 +642,15 @@ class Checkpointer:
             f"another disk), then call fit again with that folder as checkpoint_dir to {again}."
         )
 
+    def holds_a_save(self) -> bool:
+        """Whether last.pt holds a save of this run, or of the run it resumed (a save stopped after its rename too)."""
+        if self.in_flight is not None and self.writer is None and _identity(self.path) != self.in_flight[1]:
+            self.last_good, self.in_flight = self.in_flight[0], None  # renamed into place, then interrupted
+        return self.last_good is not None
+
     def last_good_save(self) -> str:
         """Where the last save that holds a finite state is, said for an error message."""
-        if self.last_good is None:
+        if not self.holds_a_save():
             return f"nothing was saved there before, so {self.path} does not exist"
         epoch, step = self.last_good
         return f"{self.path} keeps the last good save: optimizer step {step} (epoch {epoch})"
@@ -670,6 +681,15 @@ class Checkpointer:
             "tally": None if tally is None else _sums_state(tally, _TALLY_FIELDS),
             "window": None if window is None else _sums_state(window, _WINDOW_FIELDS),
         }
+
+
+def _identity(path: Path) -> tuple | None:
+    """Which file `path` is (inode, change time in ns), or None: a save's rename puts another file there."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_ino, status.st_ctime_ns
 
 
 _SAVE_FAILURES = {  # errno: (what the disk said, what to do about it)

@@ -420,12 +420,21 @@ class _Run:
 
     def how_far(self) -> str:
         """Where training stopped, for the note an interrupted fit's error carries."""
-        saved = self.checkpoint.last_good_save() if self.checkpoint is not None else "no checkpoint_dir, nothing saved"
-        return (
-            f"fit stopped in epoch {self.epoch + 1} after optimizer step {self.step_index} of "
-            f"{self.total_steps or 'no end'}: the model is as of that step (the unfinished step's gradients were "
-            f"dropped); {saved}."
-        )
+        total = self.total_steps or "no end"
+        if self.phase == "optimizer step":  # stopped inside optimizer.step: its update may be applied in part
+            where = f"during optimizer step {self.step_index + 1} of {total}: the weights may hold part of its update"
+        else:
+            where = f"after optimizer step {self.step_index} of {total}: the model is as of that step"
+        if self.checkpoint is None:
+            saved = "no checkpoint_dir, nothing saved"
+        elif self.checkpoint.holds_a_save():
+            saved = f"{self.checkpoint.last_good_save()}; fit called again with it resumes from there"
+        else:
+            saved = (
+                "nothing was saved there yet, so fit called again starts afresh from the weights as they are (build "
+                "the model anew for a run equal to one never interrupted)"
+            )
+        return f"fit stopped in epoch {self.epoch + 1} {where} (the unfinished step's gradients were dropped); {saved}."
 
     def finish(self, options: ModelOptions) -> None:
         """However fit ends: the save in flight on disk (or its failure named with the save kept), the folder let go,
@@ -460,12 +469,15 @@ def _train(run: _Run, epochs: int) -> History:
     run.model.zero_grad(set_to_none=True)  # not the gradients an interrupted call (or your own loop) left
     run.model.train()
     try:
-        with run.precision.flags():
-            for epoch in range(run.start_epoch, epochs):
-                if run.done():
-                    break
-                run.epoch = epoch
-                _end_epoch(run, epoch, *_train_epoch(run, epoch))
+        try:
+            with run.precision.flags():
+                for epoch in range(run.start_epoch, epochs):
+                    if run.done():
+                        break
+                    run.epoch = epoch
+                    _end_epoch(run, epoch, *_train_epoch(run, epoch))
+        finally:
+            run.close()  # (inside the outer try: Ctrl-C as the bar closes gets the note too)
     except torch.OutOfMemoryError as out_of_memory:
         # Read the numbers now; keep no reference to the original error, whose traceback holds the step's tensors.
         error = out_of_memory_error(
@@ -480,8 +492,6 @@ def _train(run: _Run, epochs: int) -> History:
         run.model.zero_grad(set_to_none=True)  # (the unfinished step's gradients would go into the next fit's first)
         stopped.add_note(run.how_far())
         raise
-    finally:
-        run.close()
     if error is None:
         return run.history
     run.release()
@@ -594,9 +604,9 @@ def _optimizer_step(run: _Run, window: _Window, epoch: int, batch: Batch) -> Non
     run.phase = "optimizer step"
     window.lrs = [group["lr"] for group in run.step.optimizer.param_groups]  # this step's: the schedule moves on next
     run.step.step()
-    run.scheduler.step()
+    run.step_index += 1  # the weights hold it now (what an interrupted fit's note says), the schedule steps next
     run.phase = "loading data"
-    run.step_index += 1
+    run.scheduler.step()
     window.steps += 1
     if window.steps == run.log_every or run.step_index == run.total_steps:
         _log(run, window, epoch, batch)

@@ -5,6 +5,8 @@ import torch
 
 import gpukit as gk
 from gpukit.bench import Timing, compare, flops_per_step, matmul_tflops, mfu, peak_tflops, ratios, timeit
+from tests.helpers import tiny_gpt
+from tests.helpers import tokens as helpers_tokens
 
 
 def test_timeit_measures_what_runs():
@@ -108,3 +110,62 @@ def test_flops_per_step_for_any_batch_form():
     tuple_count = flops_per_step(model, (tokens, tokens))
     assert tuple_count == flops_per_step(model, tokens) > 0  # the loss adds no matmul
     assert all(p.grad is None for p in model.parameters())  # counted on a copy on the meta device
+
+
+class CheckedAttention(torch.nn.Module):
+    """Self-attention with F.scaled_dot_product_attention on (B, T, width) inputs; with `check` it reads a number from
+    its own outputs (`if not torch.isfinite(...).all()`), which the meta device cannot answer: the count falls back
+    to a real run."""
+
+    def __init__(self, width: int = 16, heads: int = 2, check: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.heads, self.check = torch.nn.Linear(width, 3 * width, bias=False), heads, check
+
+    def forward(self, inputs):
+        batch, length, width = inputs.shape
+        queries, keys, values = (
+            part.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+            for part in self.qkv(inputs).chunk(3, dim=-1)
+        )
+        attended = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True)
+        if self.check and not torch.isfinite(attended).all():
+            raise ValueError("non-finite attention")
+        return attended
+
+
+def test_flops_of_attention_are_the_same_on_the_meta_device_and_on_a_real_run():
+    inputs = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0), device="cpu")
+    batch, length, width, heads = 2, 8, 16, 2
+    # The projection's forward; its backward is the weight gradient alone (the inputs need none).
+    projection = 2 * batch * length * width * 3 * width
+    attention = 2 * (2 * batch * heads * length * length * (width // heads))  # q·kᵀ and scores·v, forward
+    by_hand = projection * 2 + attention * 3  # attention's backward: four matmuls (dq, dk, dscores, dv), no recompute
+    meta = flops_per_step(CheckedAttention(check=False), inputs)
+    with pytest.warns(UserWarning, match="meta device cannot run"):
+        real = flops_per_step(CheckedAttention(check=True), inputs)
+    assert meta == by_hand
+    assert real == meta
+    assert flops_per_step(CheckedAttention(check=False), inputs, backward=False) == projection + attention
+
+
+class CheckedGPT(torch.nn.Module):
+    """tests/helpers.tiny_gpt that refuses non-finite logits: a number read from its outputs, so counted for real."""
+
+    def __init__(self, check: bool = True):
+        super().__init__()
+        self.gpt, self.check = tiny_gpt(), check
+
+    def forward(self, tokens):
+        logits = self.gpt(tokens)
+        if self.check and not torch.isfinite(logits).all():
+            raise ValueError("non-finite logits")
+        return logits
+
+
+def test_flops_of_a_gpt_that_only_a_real_run_can_count_include_its_attention():
+    tokens = helpers_tokens(2, 16).to("cpu")
+    meta = flops_per_step(CheckedGPT(check=False), (tokens, tokens))
+    with pytest.warns(UserWarning, match="meta device cannot run"):
+        real = flops_per_step(CheckedGPT(check=True), (tokens, tokens))
+    assert real == meta > 0

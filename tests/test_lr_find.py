@@ -203,3 +203,66 @@ def test_a_sweep_that_diverges_before_a_curve_says_which_end_lr_to_pass():
     end_lr = float(re.search(r"end_lr=([0-9.e+-]+)", str(refused.value))[1])
     result = gk.lr_find(nn.Linear(6, 1), data, end_lr=end_lr, **options)  # what it said to pass: a curve to read
     assert result.lrs[-1] <= end_lr and result.suggestion < end_lr
+
+
+def policy_gradient_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """REINFORCE: -advantage · log π(action), averaged; target[..., 0] the action, target[..., 1] its advantage. Its
+    mean is about 0 (normalised advantages) and either sign from batch to batch."""
+    log_policy = torch.log_softmax(logits, -1).gather(-1, target[..., :1].long()).squeeze(-1)
+    return -(target[..., 1] * log_policy).mean()
+
+
+def bandit(count: int = 512) -> tuple[TensorDataset, torch.Tensor, torch.Tensor]:
+    """(states, (action tried, normalised advantage)) of a 4-armed contextual bandit whose best arm is a hidden linear
+    function of 6 features; also the states and their best arms."""
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(count, 6, generator=generator)
+    best = (states @ torch.randn(6, 4, generator=generator)).argmax(1)
+    actions = torch.randint(0, 4, (count,), generator=generator)
+    reward = (actions == best).float()
+    advantages = (reward - reward.mean()) / reward.std()
+    return TensorDataset(states, torch.stack([actions.float(), advantages], 1)), states, best
+
+
+def test_a_policy_gradient_loss_around_zero_sweeps_to_a_suggestion_that_trains():
+    """A loss around 0 'diverged at lr 0.000341' after 3 of 16 steps (× its minimum means nothing there), and a
+    first loss below 0 was refused as 'diverged after 1 steps'."""
+    data, states, best = bandit()
+    options = dict(optimizer="adamw", loss_fn=policy_gradient_loss, batch_size=32, device="cpu")
+    result = gk.lr_find(small_mlp(), data, steps=40, **options)
+    assert len(result.lrs) == 40 and min(result.losses[:5]) < 0 < max(result.losses[:5])  # no false divergence
+
+    def trained_accuracy(lr: float) -> float:
+        model = small_mlp()
+        gk.fit(model, data, lr=lr, epochs=3, progress=False, **options)
+        return (model(states).argmax(1) == best).float().mean().item()
+
+    # The old rule's suggestion (3.4e-5) barely moved the policy; the suggestion now trains it.
+    assert trained_accuracy(result.suggestion) > trained_accuracy(3.4e-5) + 0.1
+
+
+def test_a_policy_gradient_loss_on_a_gpt_sweeps_without_a_false_divergence():
+    tokens = torch.randint(0, 256, (64, 17), generator=torch.Generator().manual_seed(0))
+    advantages = torch.randn(64, 1, generator=torch.Generator().manual_seed(1)).expand(64, 16)
+    target = torch.stack([tokens[:, 1:].float(), advantages], -1)  # (B, T, 2): each token's action and advantage
+    data = [(tokens[i : i + 8, :-1], target[i : i + 8]) for i in range(0, 64, 8)]
+    model = tiny_gpt(max_seq_len=16, width=16)
+    result = gk.lr_find(model, data, optimizer="adamw", loss_fn=policy_gradient_loss, steps=MIN_STEPS, device="cpu")
+    assert len(result.lrs) == MIN_STEPS and min(result.losses) < 0 < max(result.losses)
+
+
+def test_a_loss_below_zero_stops_where_the_same_loss_above_zero_diverges():
+    """Least squares with SGD diverges once lr passes 2 / (the largest eigenvalue); the same loss less 10 (negative
+    at first) diverges there too, and was refused before as 'diverged after 1 steps'."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 6, generator=generator)
+    data = [(features[i : i + 16], features[i : i + 16].sum(1, keepdim=True)) for i in range(0, 64, 16)]
+    options = dict(optimizer="nesterov", start_lr=1e-4, end_lr=10.0, steps=60, device="cpu")
+    stops = {}
+    for shift in (0.0, -10.0):
+        torch.manual_seed(0)
+        loss_fn = lambda outputs, target, shift=shift: torch.nn.functional.mse_loss(outputs, target) + shift  # noqa: E731
+        result = gk.lr_find(nn.Linear(6, 1), data, loss_fn=loss_fn, **options)
+        assert "diverged" in result.stopped and result.losses[0] < 0 if shift else result.losses[0] > 0
+        stops[shift] = len(result.lrs)
+    assert abs(stops[-10.0] - stops[0.0]) <= 3, stops  # within 3 steps (a factor 1.6 in lr) of each other

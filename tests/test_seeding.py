@@ -87,3 +87,33 @@ def test_the_clis_seed_fixes_the_weights_the_order_and_the_augmentation(monkeypa
     first = cli_losses(4, monkeypatch)
     assert cli_losses(4, monkeypatch) == first
     assert cli_losses(5, monkeypatch) != first
+
+
+def test_seed_none_leaves_the_generators_alone_so_a_loop_of_fits_draws_anew_and_replays_from_one_seed():
+    """Every fit reseeded torch's global generator: an RL loop calling fit once per iteration drew the same dropout
+    masks and data order every time. With seed=None each call draws on; one gk.seed_everything replays the loop."""
+
+    def loop(model: nn.Module, data, **options) -> list[dict[str, torch.Tensor]]:
+        gk.seed_everything(3)
+        states = []
+        for _ in range(2):  # each iteration from the same weights: only the draws can differ
+            copied = copy.deepcopy(model)
+            gk.fit(copied, data, seed=None, epochs=1, lr=0.05, progress=False, device="cpu", **options)
+            states.append(copied.state_dict())
+        return states
+
+    for model, data, options in [
+        (mlp_with_dropout(), tabular(), {"batch_size": 16}),
+        (tiny_gpt(max_seq_len=16, width=16, dropout=0.2), [(t[:, :-1], t[:, 1:]) for t in tokens_batches()], {}),
+    ]:
+        first, second = loop(model, data, **options)
+        assert_different_states(first, second)  # iteration 2 drew other masks (and, for the MLP, another order)
+        replayed = loop(model, data, **options)
+        assert_equal_states(first, replayed[0])
+        assert_equal_states(second, replayed[1])
+    with pytest.raises(ValueError, match="seed=None draws a new data order.*pass an integer seed with checkpoint_dir"):
+        gk.fit(mlp_with_dropout(), tabular(), batch_size=16, seed=None, checkpoint_dir="unused", device="cpu")
+
+
+def tokens_batches() -> list[torch.Tensor]:
+    return [torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(index)) for index in range(3)]

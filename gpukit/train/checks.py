@@ -58,7 +58,13 @@ class NonFiniteInputError(NonFiniteLossError, ValueError):
 
 def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -> None:
     """What fit checks before it builds anything, besides the numbers loop.py checks."""
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # NumPy's integers are seeds too
+    if seed is None:
+        if checkpoint_dir is not None:
+            raise ValueError(
+                "seed=None draws a new data order at each call, which a resumed run could not replay; pass an integer "
+                "seed with checkpoint_dir."
+            )
+    elif not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # NumPy's integers are seeds too
         raise ValueError(f"seed must be an integer, got {seed!r} (a {type(seed).__name__}).")
     check_trainable(model)
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -88,7 +88,7 @@ def fit(
     checkpoint_dir: str | Path | None = None,
     save_every: int | None = None,
     log_dir: str | Path | None = None,
-    seed: int = 0,
+    seed: int | None = 0,
     monitor: bool | Monitor = False,
     save_in_background: bool = False,
 ) -> History:
@@ -164,6 +164,12 @@ def fit(
         from the same weights with the same seed end equal. Not seeded by it: the model's initial weights (seed before building it, e.g.
         gk.seed_everything), the order of a loader you pass (its own seed; a DataLoader without a
         generator draws from torch's global one, so follows seed), NumPy's and Python's generators.
+        Every call with an integer seed starts the generator afresh: a loop that calls fit again and again (an RL
+        loop, one fit per iteration) would draw the same dropout masks and data order each time. seed=None leaves
+        the generators alone: dropout draws on from where torch's global generator is, and the order of the loader
+        fit builds is drawn from it (one draw per call, made even by a call refused later): seed once
+        (gk.seed_everything) and each call draws anew, the whole loop reproducible. Not with checkpoint_dir, whose
+        resumed run must replay the order.
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
         10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
@@ -171,7 +177,7 @@ def fit(
     """
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
     check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir)
-    check_int("seed", seed, minimum=0)
+    order_seed = _order_seed(seed)
     warmup = _warmup(warmup, warmup_steps)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
@@ -181,7 +187,7 @@ def fit(
         float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
     check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir, optimizer=optimizer)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
-    loader = _training_loader(train_data, batch_size, device, epochs, channels_last, seed)
+    loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
     model.to(device)
     if channels_last:
@@ -222,13 +228,20 @@ def fit(
         if save_in_background:
             options.save_in_background(run.checkpoint)
         run.start_reporting(log_dir, progress, live_plot, monitor)
-        # Dropout and the model's other draws; each rank its own masks, as independent processes would draw. Seeded
-        # after the last check, so that a refused call leaves every generator (CPU and CUDA) as it was; a resumed run
-        # restores the saved generators over this at its first epoch.
-        torch.manual_seed(seed + distributed.rank())
+        # Dropout's draws, each rank its own. Seeded after the last check: a refused call leaves every generator (CPU
+        # and CUDA) as it was; a resumed run restores the saved generators over this at its first epoch.
+        if seed is not None:
+            torch.manual_seed(seed + distributed.rank())
         return _train(run, epochs)
     finally:
         run.finish(options)  # the last save on disk, the folder let go; the model without compiled blocks
+
+
+def _order_seed(seed: int | None) -> int:
+    """The seed of the data order of the loader fit builds: `seed`, or with seed=None a draw from torch's generator."""
+    if seed is None:
+        return int(torch.randint(2**31, ()))
+    return check_int("seed", seed, minimum=0)
 
 
 def _settings(lr, optimizer, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config) -> dict:

@@ -94,7 +94,10 @@ def _check(start_lr, end_lr, steps, smoothing, diverge) -> None:
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing must lie in [0, 1) (0: no smoothing), got {smoothing!r}.")
     if not diverge > 1:
-        raise ValueError(f"diverge must be > 1 (stop when the loss exceeds diverge × its minimum), got {diverge!r}.")
+        raise ValueError(
+            f"diverge must be > 1 (stop when the loss rises above its minimum by (diverge - 1) × its scale), got "
+            f"{diverge!r}."
+        )
 
 
 def lr_find(
@@ -119,8 +122,11 @@ def lr_find(
 
     Step i of `steps` uses lr = start_lr · (end_lr / start_lr)^(i / (steps - 1)), the same for
     every parameter group. The run stops early when an exponential moving average of the loss
-    (weight `smoothing` on the past, bias-corrected as in Adam) exceeds `diverge` × its minimum, or
-    a loss is not finite; later steps are not read.
+    (weight `smoothing` on the past, bias-corrected as in Adam) rises above its minimum by more than
+    (diverge - 1) × the loss's scale, the larger of |minimum| and the spread of the first 5 steps' losses
+    (for a positive loss with little noise: exceeds `diverge` × its minimum), or a loss is not finite;
+    later steps are not read. A loss of any sign works: one near 0 or negative (a policy-gradient loss) is
+    judged against its spread.
 
     Suggested lr (`suggestion`): the largest lr at which the smoothed loss (a running median over
     about a twentieth of the steps either side) is still at its lowest level, within NOISE_BAND
@@ -174,7 +180,7 @@ def _check_enough_before_divergence(lrs: list[float], losses: list[float], start
     finite = len(losses) if math.isfinite(losses[-1]) else len(losses) - 1
     if finite >= MIN_STEPS:
         return
-    if finite < 3:  # (nearly) at once: the range starts too high
+    if finite <= _Divergence.SETTLE:  # (nearly) at once, before a rise is judged: the range starts too high
         advice = f"start lower (start_lr={start_lr / 100:g})"
     else:  # every step of a sweep that ends there lies below it
         advice = f"pass end_lr={lrs[-1]:.3g}, where it diverged, so that the whole sweep lies below it"
@@ -205,12 +211,39 @@ def _cycle(loader) -> Iterator:
             )
 
 
+class _Divergence:
+    """Whether the loss's moving average has risen too far above its lowest level, for a loss of any sign.
+
+    "diverge × its minimum" means nothing for a loss near 0 or below it (a policy-gradient loss: a step of noise is
+    many times its minimum; a negative minimum makes every later loss "diverge"). The rise is measured instead against
+    the loss's own scale: the larger of |minimum| and the spread (standard deviation) of the first SETTLE steps'
+    losses, at the sweep's lowest lrs, where the model barely moves. A rise above the minimum by more than
+    (diverge - 1) × that scale diverges: for a positive loss whose noise is small beside it, diverge × its minimum."""
+
+    SETTLE = 5  # steps whose losses measure the spread; the rise is judged from the next one on
+
+    def __init__(self, smoothing: float, diverge: float):
+        self.smoothing, self.diverge = smoothing, diverge
+        self.average, self.best, self.first = 0.0, math.inf, []
+
+    def add(self, index: int, value: float) -> bool:
+        """Add step `index`'s loss (finite); True once the moving average diverged."""
+        self.average = self.smoothing * self.average + (1 - self.smoothing) * value
+        level = self.average / (1 - self.smoothing ** (index + 1))  # bias-corrected: the first steps' average is not ~0
+        self.best = min(self.best, level)
+        if len(self.first) < self.SETTLE:
+            self.first.append(value)
+            return False
+        scale = max(abs(self.best), statistics.pstdev(self.first))
+        return level - self.best > (self.diverge - 1) * scale
+
+
 def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate, smoothing, diverge, precision):
     """(lrs, losses, why it stopped) of the sweep; it stops at the first loss that is not finite, or once the
-    moving average exceeds `diverge` × its minimum."""
+    moving average diverged (_Divergence)."""
     ratio = end_lr / start_lr
     lrs, losses = [], []
-    average, best, stopped = 0.0, math.inf, "reached end_lr"
+    divergence, stopped = _Divergence(smoothing, diverge), "reached end_lr"
     batches = _cycle(loader)
     with training_mode(step.model), precision.flags():
         for index in range(steps):
@@ -229,11 +262,11 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
             if not math.isfinite(value):
                 stopped = f"diverged at lr {lr:.3g} (loss not finite)"
                 break
-            average = smoothing * average + (1 - smoothing) * value
-            level = average / (1 - smoothing ** (index + 1))  # bias-corrected: the first steps' average is not ~0
-            best = min(best, level)
-            if level > diverge * best:
-                stopped = f"diverged at lr {lr:.3g} (moving average of the loss > {diverge:g} × its minimum)"
+            if divergence.add(index, value):
+                stopped = (
+                    f"diverged at lr {lr:.3g} (moving average of the loss above its minimum by > {diverge - 1:g} × "
+                    "the larger of |minimum| and the first steps' spread)"
+                )
                 break
     return lrs, losses, stopped
 

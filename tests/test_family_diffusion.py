@@ -188,6 +188,19 @@ def test_estimate_breakdown_and_saved_bytes_agree_with_a_count_by_hand():
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="gk.memory runs the model's draws (here torch.randint and torch.randn_like; dropout in any model) on "
+    "torch's global generator and does not restore it: a run seeded before estimate() draws differently after it",
+)
+@pytest.mark.parametrize("function", ["estimate", "breakdown", "saved_bytes"])
+def test_memory_functions_leave_torchs_generator_as_it_was(function):
+    (batch,) = clean_batches([12], seed=1)
+    generator = torch.get_rng_state()
+    getattr(gk.memory, function)(Denoiser(), batch, loss_fn=noise_error, device=CPU)
+    assert torch.equal(torch.get_rng_state(), generator)
+
+
 # ---------------------------------------------------------------------------------------------
 # FLOPs
 
@@ -252,16 +265,19 @@ def interrupt_at(call: int):
 ADAMW = dict(optimizer="adamw", lr=3e-3, epochs=2, log_every=1, save_every=3, progress=False, device=CPU)
 
 
-def test_a_run_interrupted_mid_epoch_resumes_bit_equal(tmp_path):
-    """Stopped at loss call 12 (step 4 of epoch 2; the last save at step 3), run again with other generators: the
-    timesteps, noise and dropout masks of the steps after the save are drawn again as the straight run drew them."""
+@pytest.mark.parametrize("call", [9, 12])
+def test_a_run_interrupted_mid_epoch_resumes_bit_equal(call, tmp_path):
+    """Stopped by Ctrl-C at loss call 9 (epoch 2's first; the last save is epoch 1's, made after its evaluation drew
+    noise too) or 12 (step 4 of epoch 2; the last save at step 3), run again with other generators: the timesteps,
+    noise and dropout masks after the save are drawn again as the straight run drew them."""
+    options = dict(ADAMW, eval_data=clean_batches([5, 7], seed=4))
     straight = Denoiser()
-    straight_history = gk.fit(straight, TRAIN, checkpoint_dir=tmp_path / "straight", loss_fn=noise_error, **ADAMW)
+    straight_history = gk.fit(straight, TRAIN, checkpoint_dir=tmp_path / "straight", loss_fn=noise_error, **options)
     with pytest.raises(KeyboardInterrupt):
-        gk.fit(Denoiser(), TRAIN, checkpoint_dir=tmp_path / "resumed", loss_fn=interrupt_at(12), **ADAMW)
+        gk.fit(Denoiser(), TRAIN, checkpoint_dir=tmp_path / "resumed", loss_fn=interrupt_at(call), **options)
     torch.manual_seed(123)  # a new process starts with other generators
     resumed = Denoiser()
-    resumed_history = gk.fit(resumed, TRAIN, checkpoint_dir=tmp_path / "resumed", loss_fn=noise_error, **ADAMW)
+    resumed_history = gk.fit(resumed, TRAIN, checkpoint_dir=tmp_path / "resumed", loss_fn=noise_error, **options)
     assert_bit_equal(straight, resumed)
     a, b = read_checkpoint(tmp_path / "straight" / "last.pt"), read_checkpoint(tmp_path / "resumed" / "last.pt")
     for key in ("model", "optimizer", "scheduler", "ranks", "step", "epoch"):  # AdamW's moments, every generator
@@ -270,6 +286,7 @@ def test_a_run_interrupted_mid_epoch_resumes_bit_equal(tmp_path):
         for x, y in zip(a_leaves, b_leaves, strict=True):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, key
     assert [row["loss"] for row in resumed_history.steps] == [row["loss"] for row in straight_history.steps]
+    assert [row["eval_loss"] for row in resumed_history.epochs] == [row["eval_loss"] for row in straight_history.epochs]
 
 
 def test_a_finished_run_extended_by_an_epoch_equals_one_run_of_two_epochs(tmp_path):

@@ -210,12 +210,12 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
     real forward and backward of a copy of it, on the device of its parameters, instead, and a warning
     says so. Your model, and every random generator, are left as they were.
     """
-    try:
-        return _count_on_meta(model, batch, backward, loss_fn)
-    except (_ValuesNeeded, RuntimeError, NotImplementedError) as error:  # a real run raises what is a real error
-        reason = " ".join(str(error).split()) or type(error).__name__
-    device = next(iter(model.parameters()), torch.empty(0)).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
+    with _generators_kept(model, batch):
+        try:
+            return _count_on_meta(model, batch, backward, loss_fn)
+        except (_ValuesNeeded, RuntimeError, NotImplementedError) as error:  # a real run raises what is a real error
+            reason = " ".join(str(error).split()) or type(error).__name__
+        device = next(iter(model.parameters()), torch.empty(0)).device
         flops = _count_for_real(model, batch, device, backward, loss_fn)
     warnings.warn(
         f"flops_per_step: the meta device cannot run this model ({reason}); counted on a real forward and backward "
@@ -223,6 +223,15 @@ def flops_per_step(model: torch.nn.Module, batch, *, backward: bool = True, loss
         stacklevel=2,
     )
     return flops
+
+
+def _generators_kept(model: torch.nn.Module, batch):
+    """torch's CPU generator and those of the CUDA devices that the model or the batch are on, restored on exit: a
+    draw while counting (a model's torch.randn_like(batch), which the meta run computes on the batch's values; any
+    draw of a real run) moves none of them."""
+    tensors = [batch] if isinstance(batch, torch.Tensor) else split_batch(batch).tensors()
+    cuda = sorted({t.device.index for t in (*model.parameters(), *tensors) if t.device.type == "cuda"})
+    return torch.random.fork_rng(devices=cuda, device_type="cuda")
 
 
 def _count_on_meta(model: torch.nn.Module, batch, backward: bool, loss_fn) -> int:

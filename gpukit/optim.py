@@ -321,6 +321,13 @@ def _onecycle_warmup_fraction(warmup_steps: float, total_steps: int) -> float:
     return fraction
 
 
+def _cosine_from_peak(step: int, total_steps: int) -> float:
+    """The one-cycle schedule's decay without its warm-up: the peak at step 0, then OneCycleLR's cosine annealing to
+    its final lr (the peak / 25 / 10**4) at step total_steps. (OneCycleLR itself starts a step into its decay there.)"""
+    final = 1 / (25.0 * 1e4)
+    return final + (1 - final) * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)) / 2
+
+
 def make_schedule(
     optimizer: torch.optim.Optimizer, schedule: str, total_steps: int | None, warmup: float
 ) -> torch.optim.lr_scheduler.LRScheduler:
@@ -343,6 +350,8 @@ def make_schedule(
     total_steps = max(total_steps, 1)
     warmup_steps = warmup * total_steps if warmup < 1 else warmup
     warmup_steps = min(max(warmup_steps, 0), total_steps)
+    if schedule == "onecycle" and warmup_steps < 1:  # OneCycleLR cannot start at its peak: cosine from it by hand
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _cosine_from_peak(step, total_steps))
     if schedule == "onecycle":
         peak = [group["lr"] for group in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(

@@ -313,8 +313,11 @@ def test_onecycle_with_a_warmup_of_one_step(steps, warmup):
         schedule.step()
         rates.append(optimizer.param_groups[0]["lr"])
     assert all(0 <= rate <= 1.0 for rate in rates), rates
-    if warmup * steps <= 1:  # a warm-up of at most one step: the first step is at (or a cosine step from) the peak
-        assert rates[0] >= 0.5 and rates == sorted(rates, reverse=True), rates
+    if warmup * steps <= 1:  # a warm-up of at most one step: the first step is at the peak, then only decays
+        assert rates[0] == pytest.approx(1.0, rel=1e-9) and rates == sorted(rates, reverse=True), rates
+    if warmup * steps < 1:  # below one step, exactly: the peak / 25 / 10**4 at the end, as OneCycleLR ends
+        assert rates[0] == 1.0, rates
+        assert schedule.lr_lambdas[0](steps) == pytest.approx(1 / 250_000), steps
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])

@@ -981,6 +981,22 @@ def test_each_fit_with_the_same_optimizer_peaks_at_its_own_lr():
     assert max(row["lr"] for row in history.steps) == pytest.approx(3e-3, rel=0.15)
 
 
+def test_lr_with_an_optimizer_of_groups_at_their_own_lrs_is_refused_before_work():
+    """lr= set both groups of SGD([0.1, 0.01]) to one lr, silently; without lr= each group peaks at its own."""
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 6, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(8)]
+    model = small_mlp()
+    first, *rest = list(model.parameters())
+    optimizer = torch.optim.SGD([{"params": [first], "lr": 0.1}, {"params": rest, "lr": 0.01}])
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"lr=0.5 would set every parameter group.*\(0.1, 0.01\).*Leave lr out"):
+        gk.fit(model, data, optimizer=optimizer, lr=0.5, progress=False, device="cpu")
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())  # nothing trained
+    history = gk.fit(model, data, optimizer=optimizer, progress=False, device="cpu", log_every=1)
+    assert max(row["lr"] for row in history.steps) == pytest.approx(0.1, rel=0.02)
+    assert max(row["lr_group1"] for row in history.steps) == pytest.approx(0.01, rel=0.02)
+
+
 def test_deferred_sums_equal_sums_added_one_at_a_time():
     """RunningSums.defer adds later, in bulk, what add would have added at once: the same float64 bits."""
     from gpukit.train.tally import RunningSums

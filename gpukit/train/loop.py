@@ -340,6 +340,13 @@ def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.opt
     peak_lr = lr if lr is not None else default_lr(optimizer)
     built = make_optimizer(optimizer, model, peak_lr, weight_decay)
     left = [group["lr"] for group in built.param_groups]
+    owns = [group.get("max_lr", group.get("initial_lr", group["lr"])) for group in built.param_groups]
+    if lr is not None and not isinstance(optimizer, str) and len(set(owns)) > 1:
+        raise ValueError(
+            f"lr={lr:g} would set every parameter group of the optimizer to one lr, but its groups have their own "
+            f"({', '.join(f'{value:g}' for value in owns)}). Leave lr out to train each group at its own lr (the "
+            "schedule peaks at each), or set the groups' lrs where the optimizer is built."
+        )
     for group in built.param_groups:
         # An earlier fit's schedule left its lr at the end of its decay (OneCycleLR: 1/250,000 of the peak) and
         # its peak in these keys: this fit's schedule starts from the optimizer's own lr again, not from the decay.

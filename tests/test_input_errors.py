@@ -148,3 +148,16 @@ def test_another_failure_on_a_later_batch_carries_its_number():
     with pytest.raises(RuntimeError) as caught:
         train(small_mlp(), batches)
     assert any("batch 2 of epoch 1: input (8, 5) float32" in note for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("bad_target", ["out of range", "all ignored"])
+def test_a_refused_first_batch_leaves_batch_norm_statistics_as_they_were(bad_target):
+    """The first batch's forward moved BatchNorm's running statistics before its loss refused the batch: a refused
+    call changes nothing of the model (issue "Any model, any batch, third wave", 8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    target = classes(8) + 4 if bad_target == "out of range" else torch.full((8,), -100)
+    with pytest.raises(ValueError):
+        train(model, [(features(8), target), (features(8, 1), classes(8, 1))])
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items()), bad_target

@@ -568,7 +568,10 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
 
 def _train_on(run: _Run, batch: Batch, number: int, epoch: int, micro_step: Callable[[], None]) -> None:
     """Run `micro_step` on the epoch's batch `number` (from 1); a failure whose cause its data shows is said with
-    that batch's number, any other gets the number as a note. Nothing here reads the device."""
+    that batch's number, any other gets the number as a note. Nothing here reads the device. A first batch refused
+    leaves the model's buffers (BatchNorm's statistics, which its forward moved) as they were: a refused call
+    changes nothing of the model."""
+    kept = None if run.seen_a_batch else [(buffer, buffer.clone()) for buffer in run.model.buffers()]
     try:
         if batch.size == 0:  # known on the host, from the shape: no kernel
             raise BatchError(
@@ -581,6 +584,9 @@ def _train_on(run: _Run, batch: Batch, number: int, epoch: int, micro_step: Call
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
+        with torch.no_grad():
+            for buffer, value in kept or ():
+                buffer.copy_(value)
         cause = failed_batch_cause(error, run.model, batch)
         if cause is None:
             error.add_note(f"It failed on batch {number} of epoch {epoch + 1}: {describe(batch)}.")

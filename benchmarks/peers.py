@@ -181,11 +181,16 @@ def first_step_in_this_process(name: str, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def run_child(command: list[str]):
+    """What the fresh Python running `command` prints, read as JSON."""
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
 def import_seconds(module: str) -> float:
     """Seconds to import `module` in a fresh Python that has imported torch."""
     code = f"import json, time, torch\nstarted = time.perf_counter()\nimport {module}\n"
     code += "print(json.dumps(time.perf_counter() - started))"
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    return run_child([sys.executable, "-c", code])
 
 
 def fresh_processes(names, processes: int, args) -> tuple[dict, dict]:
@@ -197,7 +202,7 @@ def fresh_processes(names, processes: int, args) -> tuple[dict, dict]:
         for name in names:
             command = [sys.executable, __file__, "--child-first-step", name, "--device", args.device]
             command += ["--threads", str(args.threads)] if args.threads else []
-            first[name].append(json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout))
+            first[name].append(run_child(command))
         for name in imports:
             imports[name].append(import_seconds(MODULES[name]))
     return first, imports

@@ -61,10 +61,8 @@ def deterministic_kernels():
         torch.backends.cudnn.benchmark = before[1]
 
 
-def hand_written_loop(
-    model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device, kind: str
-) -> None:
-    """The loop a PyTorch user writes: autocast forward, backward, optimizer step, one-cycle schedule."""
+def hand_written_optimizer(model, kind: str, lr: float, steps: int):
+    """(optimizer, one-cycle schedule) as gk.fit builds them: SGD with Nesterov momentum, or AdamW for the GPT."""
     if kind in ("cnn", "mlp"):
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     else:
@@ -83,6 +81,20 @@ def hand_written_loop(
         div_factor=25.0,
         final_div_factor=1e4,
     )
+    return optimizer, schedule
+
+
+def hand_written_steps(
+    model,
+    loader,
+    optimizer,
+    schedule,
+    steps: int,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    backward=torch.Tensor.backward,
+) -> None:
+    """`steps` optimizer steps: autocast forward, `backward(loss)`, optimizer step, schedule step. `model` and `optimizer` may be another library's wrappers (benchmarks/peers.py)."""
     # fp32 means fp32, as in gk.fit: PyTorch lets cuDNN run fp32 convolutions in TF32 unless told otherwise
     # (on an H100 that made the two loops end 5e-2 apart).
     torch.backends.cudnn.allow_tf32 = dtype is not None
@@ -94,12 +106,20 @@ def hand_written_loop(
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             logits = model(inputs)  # (B, classes) or (B, T, 256)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-        loss.backward()
+        backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         if step + 1 == steps:
             break
+
+
+def hand_written_loop(
+    model, loader, steps: int, lr: float, dtype: torch.dtype | None, device: torch.device, kind: str
+) -> None:
+    """The loop a PyTorch user writes: autocast forward, backward, optimizer step, one-cycle schedule."""
+    optimizer, schedule = hand_written_optimizer(model, kind, lr, steps)
+    hand_written_steps(model, loader, optimizer, schedule, steps, dtype, device)
 
 
 def gpukit_loop(

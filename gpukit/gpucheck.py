@@ -51,6 +51,7 @@ STOP_GRACE_SECONDS = 10  # after SIGINT, before SIGKILL: pytest's teardown shuts
 BENCHMARK_ARGS = {
     "fit_overhead.py": "--width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6 --rounds 5".split(),
     "input_pipeline.py": "--decode-images 1024 --decode-size 512 --workers 8".split(),
+    "peers.py": "--width 64 --batch-size 512 --gpt-width 384 --gpt-depth 6 --rounds 5 --first-step 3".split(),
 }
 STEP_SECONDS = {"tests": TESTS_SECONDS, "lessons": LESSONS_SECONDS, "benchmarks": BENCHMARKS_SECONDS}
 STEPS = tuple(STEP_SECONDS)

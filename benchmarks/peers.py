@@ -251,6 +251,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (gk.report.save_tables)")
     parser.add_argument("--child-first-step", help=argparse.SUPPRESS)  # one fresh process's measurement
     args = parser.parse_args(argv)
+    if min(args.steps, args.mlp_steps) < 6:  # fit's warm-up (a fifth of the steps) is then under ~1 step, where its
+        # schedule starts at the peak by hand and the hand-written loop's OneCycleLR does not: not the same work
+        parser.error("--steps and --mlp-steps must be at least 6 (a warm-up of more than one step)")
     if args.threads is None and args.device == "cpu":
         args.threads = 1  # one thread: the loops' own costs, not how two busy cores share out a matmul
     return args

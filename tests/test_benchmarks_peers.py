@@ -13,7 +13,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--device", "cpu", "--models", "mlp", "--mlp-steps", "3", "--rounds", "1"]
+TINY = ["--device", "cpu", "--models", "mlp", "--mlp-steps", "6", "--rounds", "1"]
 
 
 @pytest.fixture

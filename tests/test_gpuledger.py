@@ -241,9 +241,9 @@ IN_THE_IMAGE = {
     "jinja2",
     "packaging",
 }
-OWN = {"gpukit", "tests", "helpers", "fake_cuda", "cuda_guards", "gpu_lines", "open_in"}
-# Imported only by tests that skip without them, each with its reason (a browser, a Jupyter server).
-OPTIONAL = {"playwright", "jupyter_server", "tomli"}
+OWN = {"gpukit", "tests", "helpers", "fake_cuda", "cuda_guards", "gpu_lines", "open_in", "fit_overhead"}
+# Imported only by tests that skip without them, each with its reason (a browser, a Jupyter server, a graph library).
+OPTIONAL = {"playwright", "jupyter_server", "tomli", "torch_geometric"}
 DISTRIBUTION = {"IPython": "ipython", "bs4": "beautifulsoup4"}
 
 

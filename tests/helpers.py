@@ -92,3 +92,17 @@ def run_lesson_cells(path: str | Path, cell_ids: list[str]) -> dict:
             if folder.parent == Path(tempfile.gettempdir()):
                 shutil.rmtree(folder, ignore_errors=True)
     return namespace
+
+
+def raising_at(call: int, loss_fn, error: type[BaseException]):
+    """`loss_fn`, raising `error` at its `call`-th call (a crash, a Ctrl-C): the run stops after call - 1 micro-batches."""
+    calls = 0
+
+    def raising(outputs, target):
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            raise error
+        return loss_fn(outputs, target)
+
+    return raising

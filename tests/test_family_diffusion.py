@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 import gpukit as gk
 from gpukit.train.checkpoint import read_checkpoint
+from tests.helpers import raising_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # exact comparisons, not seconds (conftest.py)
 
@@ -250,16 +251,7 @@ def test_activation_checkpointing_leaves_the_weights_bit_equal(policy):
 
 def interrupt_at(call: int):
     """noise_error, raising KeyboardInterrupt (Ctrl-C) at its `call`-th call: the run stops mid-epoch."""
-    calls = 0
-
-    def interrupting(outputs, target):
-        nonlocal calls
-        calls += 1
-        if calls == call:
-            raise KeyboardInterrupt
-        return noise_error(outputs, target)
-
-    return interrupting
+    return raising_at(call, noise_error, KeyboardInterrupt)
 
 
 ADAMW = dict(optimizer="adamw", lr=3e-3, epochs=2, log_every=1, save_every=3, progress=False, device=CPU)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, Tensor
 import gpukit as gk
 from gpukit import cli
 from gpukit.train.checkpoint import global_generators, read_checkpoint, restore_global_generators
-from tests.helpers import tiny_gpt
+from tests.helpers import raising_at, tiny_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # exact comparisons of tiny runs; no timing
 
@@ -28,16 +28,7 @@ class Crash(Exception):
 
 def crash_at(call: int, loss_fn=nn.functional.cross_entropy):
     """`loss_fn`, raising Crash at its `call`-th call: the run stops after call - 1 micro-batches."""
-    calls = 0
-
-    def crashing(outputs, target):
-        nonlocal calls
-        calls += 1
-        if calls == call:
-            raise Crash
-        return loss_fn(outputs, target)
-
-    return crashing
+    return raising_at(call, loss_fn, Crash)
 
 
 def disturb_generators(seed: int) -> None:

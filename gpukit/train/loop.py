@@ -340,6 +340,8 @@ def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.opt
     peak_lr = lr if lr is not None else default_lr(optimizer)
     built = make_optimizer(optimizer, model, peak_lr, weight_decay)
     left = [group["lr"] for group in built.param_groups]
+    # An earlier fit's schedule left its lr at the end of its decay (OneCycleLR: 1/250,000 of the peak) and its peak
+    # in these keys: this fit's schedule starts from the optimizer's own lr again, not from the decay.
     owns = [group.get("max_lr", group.get("initial_lr", group["lr"])) for group in built.param_groups]
     if lr is not None and not isinstance(optimizer, str) and len(set(owns)) > 1:
         raise ValueError(
@@ -347,11 +349,8 @@ def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.opt
             f"({', '.join(f'{value:g}' for value in owns)}). Leave lr out to train each group at its own lr (the "
             "schedule peaks at each), or set the groups' lrs where the optimizer is built."
         )
-    for group in built.param_groups:
-        # An earlier fit's schedule left its lr at the end of its decay (OneCycleLR: 1/250,000 of the peak) and
-        # its peak in these keys: this fit's schedule starts from the optimizer's own lr again, not from the decay.
-        own = group.pop("max_lr", group.get("initial_lr", group["lr"]))
-        for key in ("initial_lr", "min_lr"):
+    for group, own in zip(built.param_groups, owns):
+        for key in ("max_lr", "initial_lr", "min_lr"):
             group.pop(key, None)
         group["lr"] = peak_lr if lr is not None or isinstance(optimizer, str) else own
     if lr is None and not isinstance(optimizer, str) and left != [group["lr"] for group in built.param_groups]:

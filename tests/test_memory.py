@@ -628,6 +628,23 @@ def test_the_allocator_count_is_read_after_every_operator():
     assert tracker.most_storages == 3  # x, x * 2 and x * 2 + 1 alive at once
 
 
+def test_the_allocator_slack_counts_only_storages_over_1_mib():
+    """The CUDA caching allocator cuts a request of 1 MiB or less exactly from a small-pool segment, and may hand a
+    larger one a block up to 1 MiB bigger: the tracker counts the most storages over 1 MiB alive at once."""
+    assert memory.allocator_slack_for([512, 2**20, 2**20 - 1]) == 0  # small pool: exact (after 512-byte rounding)
+    assert memory.allocator_slack_for([2**20 + 1, 10 * 2**20, 100]) == 2 * 2**20
+    tracker = memory.counting.LiveTensors("cpu", memory.counting.CUDA_BLOCK)
+    with tracker:
+        small = torch.zeros(1024, device="cpu")  # 4 KiB
+        large = torch.zeros(2**19, device="cpu")  # 2 MiB
+        larger = large * 2  # 2 MiB: two large storages alive
+        del large, larger
+        again = torch.zeros(2**19, device="cpu")  # one alive again
+    assert tracker.most_large_storages == 2 and tracker.large_storages == 0  # cleared on exit
+    assert memory.allocator_slack_for([small.nbytes, 2**21, 2**21]) == 2 * memory.counting.CUDA_UNSPLIT
+    del small, again
+
+
 @cuda
 def test_cuda_tools_restore_what_they_change(tmp_path):
     fraction = torch.cuda.get_per_process_memory_fraction()

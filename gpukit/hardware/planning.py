@@ -170,10 +170,15 @@ class Plan:
         title = (
             f"batch {self.batch_size}, {self.steps:,} steps, {self.precision}, {self.optimizer}: "
             f"{self.flops / 1e9:.3g} GFLOP, ≥ {format_bytes(self.traffic)} moved and {self.kernels} kernels per step "
-            f"({LAUNCH_SECONDS * 1e6:g} µs each), MFU {self.mfu:.0%} "
-            f"({self.mfu_source}), {self.margin:.0%} memory margin"
+            f"({LAUNCH_SECONDS * 1e6:g} µs each), {self.margin:.0%} memory margin. Step times, hours and costs rest on "
+            f"one MFU, {self.mfu:.0%} ({self.mfu_source}), assumed for every GPU: {self._mfu_caveat()}"
         )
         return Table([row.as_dict() for row in self.rows], title=title)
+
+    def _mfu_caveat(self) -> str:
+        if self.check:
+            return f"measured on {self.check['device']} only, not on the other GPUs of the table"
+        return "measured on none of them"
 
     def check_table(self) -> Table:
         """This machine: the step time the model predicts against the one measured."""

@@ -2,6 +2,7 @@
 
 measure()          peak memory of a block of code (measuring.py).
 cublas_workspace_bytes()  one cuBLAS(Lt) workspace: taken from the caching allocator, counted as allocated.
+allocator_slack_for()     the most the CUDA caching allocator counts beyond live tensors of given sizes (counting.py).
 breakdown()        one training step measured: parameters, gradients, optimizer state, saved
                    activations, the rest, the peak (measuring.py).
 estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py);
@@ -44,6 +45,7 @@ from .allocator import (
     record_snapshot,
 )
 from .autograd_hooks import saved_bytes
+from .counting import allocator_slack_for
 from .measuring import Measurement, breakdown, cublas_workspace_bytes, measure
 from .offload import OffloadActivations, OffloadCost, offload_cost
 from .parts import MemoryBreakdown, breakdown_table, plot_breakdowns, plot_memory_timeline
@@ -62,6 +64,7 @@ __all__ = [
     "Snapshot",
     "TrainingOutOfMemoryError",
     "activation_checkpointing",
+    "allocator_slack_for",
     "apply_activation_checkpointing",
     "breakdown",
     "cublas_workspace_bytes",

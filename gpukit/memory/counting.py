@@ -20,6 +20,19 @@ CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up
 CUDA_UNSPLIT = 2**20  # bytes: it hands out a large cached block whole when no more than this would remain
 
 
+def allocator_slack_for(storage_sizes) -> int:
+    """The most the CUDA caching allocator's `memory_allocated` can count beyond live tensors of these sizes (bytes).
+
+    From torch's c10/cuda/CUDACachingAllocator.cpp with its default settings (no PYTORCH_CUDA_ALLOC_CONF): every
+    request is rounded up to a 512-byte block (CUDA_BLOCK; LiveTensors(rounding=CUDA_BLOCK) counts that already). A
+    request of 1 MiB or less is cut exactly from a 2 MiB segment of the small pool: nothing more. A larger one gets a
+    block of the large pool, handed out whole when 1 MiB or less of it would remain: up to 1 MiB more per storage over
+    1 MiB. The segments themselves (2 MiB, 20 MiB, multiples of 2 MiB) count as reserved, not allocated. Memory that
+    is no tensor's (cuBLAS's workspaces, cuDNN's inside an operator) is not in this bound.
+    """
+    return sum(CUDA_UNSPLIT for size in storage_sizes if -(-size // CUDA_BLOCK) * CUDA_BLOCK > CUDA_UNSPLIT)
+
+
 def storage_of(tensor) -> torch.UntypedStorage | None:
     if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
         return None
@@ -63,6 +76,8 @@ class LiveTensors(TorchDispatchMode):
         self.allocated = allocated
         self.allocator_samples: list[int] = []  # the allocator's bytes after each operator (with `allocated`)
         self.most_storages = 0  # the most storages alive at once
+        self.large_storages = 0  # storages over CUDA_UNSPLIT bytes alive now, and the most at once: the allocator
+        self.most_large_storages = 0  # may count up to CUDA_UNSPLIT more for each (allocator_slack_for)
         self.live: dict[int, tuple[weakref.ref, int, int]] = {}  # storage id -> (weak reference, bytes, serial)
         self.counted = 0  # storages counted so far: the next one's serial
         self.at_peak: dict[int, int] = {}  # serial -> bytes, of the storages alive at the peak
@@ -99,9 +114,11 @@ class LiveTensors(TorchDispatchMode):
         known = self.live.get(key)
         if known is not None:  # in place, or a view; an out= argument may have been resized
             self.bytes += size - known[1]
+            self.large_storages += (size > CUDA_UNSPLIT) - (known[1] > CUDA_UNSPLIT)
             self.live[key] = (known[0], size, known[2])
             return
         self.bytes += size
+        self.large_storages += size > CUDA_UNSPLIT
         self.live[key] = (weakref.ref(storage, partial(self._freed, key)), size, self.counted)
         self.counted += 1
 
@@ -109,10 +126,12 @@ class LiveTensors(TorchDispatchMode):
         entry = self.live.pop(key, None)
         if entry is not None:
             self.bytes -= entry[1]
+            self.large_storages -= entry[1] > CUDA_UNSPLIT
 
     def _sample(self) -> None:
         self.samples.append(self.bytes)
         self.most_storages = max(self.most_storages, len(self.live))
+        self.most_large_storages = max(self.most_large_storages, self.large_storages)
         if self.allocated is not None:
             self.allocator_samples.append(self.allocated())
         if self.bytes > self.peak:
@@ -133,6 +152,7 @@ class LiveTensors(TorchDispatchMode):
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
         self.live.clear()  # drops the weak references: no callbacks after the measurement
+        self.large_storages = 0
         return result
 
 

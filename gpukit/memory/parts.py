@@ -42,9 +42,11 @@ class MemoryBreakdown:
     allocated_timeline: CUDA only: torch.cuda.memory_allocated after each operator (from the
                   step's start), to compare with `timeline` (there rounded to 512-byte blocks).
     allocator_slack: CUDA only: the most the allocator can count beyond those tensors after an
-                  operator: up to 1 MiB per live storage (a cached block is handed out whole when
-                  1 MiB or less would remain) plus the cuBLAS workspaces of two threads (the
-                  forward's and autograd's). Inside an operator, cuDNN workspaces come on top.
+                  operator: up to 1 MiB per live storage over 1 MiB (a large cached block is handed
+                  out whole when 1 MiB or less would remain), at the moment most such storages
+                  lived (gk.memory.allocator_slack_for); nothing for smaller ones (cut exactly from
+                  2 MiB segments). The cuBLAS workspaces are taken before the step's baseline, so
+                  none is slack. Inside an operator, cuDNN workspaces come on top.
     """
 
     batch_size: int

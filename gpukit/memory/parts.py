@@ -42,9 +42,10 @@ class MemoryBreakdown:
     allocated_timeline: CUDA only: torch.cuda.memory_allocated after each operator (from the
                   step's start), to compare with `timeline` (there rounded to 512-byte blocks).
     allocator_slack: CUDA only: the most the allocator can count beyond those tensors after an
-                  operator: up to 1 MiB per live storage (a cached block is handed out whole when
-                  1 MiB or less would remain) plus the cuBLAS workspaces of two threads (the
-                  forward's and autograd's). Inside an operator, cuDNN workspaces come on top.
+                  operator: up to 1 MiB per storage above 1 MiB alive at once (a large cached block is
+                  handed out whole when 1 MiB or less would remain; small ones are cut exactly), and
+                  nothing for cuBLAS, whose workspaces are taken before the step's baseline
+                  (counting.allocator_slack). Inside an operator, cuDNN workspaces come on top.
     """
 
     batch_size: int

@@ -379,7 +379,7 @@ def lab_main(args: argparse.Namespace) -> int:
             "JupyterLab is not installed in this Python: pip install 'gpukit[lab]' (or jupyterlab), then run this again"
         )
     folder = Path(args.dir)
-    if not list(folder.glob("[0-9][0-9]_*.ipynb")):
+    if not list(folder.glob("[0-9][0-9]*_*.ipynb")):
         copies = shipped.copy_lessons(folder)
         print(f"copied {len(copies)} lessons to {folder.resolve()}")
     if jupyter.running_as_root():

@@ -401,7 +401,7 @@ def run_lessons(
         report(summary_row(problem))
         return [problem]
     results = []
-    for notebook in chosen((root / "notebooks").glob("[0-9][0-9]_*.ipynb"), only):
+    for notebook in chosen((root / "notebooks").glob("[0-9][0-9]*_*.ipynb"), only):
         name, limit = notebook.stem, _time_left(deadline, LESSON_SECONDS)
         if limit < MIN_SECONDS:
             results.append(StepResult("lesson", name, "not run", 0.0, f"the lessons' {seconds:.0f} s were spent"))
@@ -635,7 +635,7 @@ def run_gpu_check(
         raise ValueError(f"unknown gpu-check step(s) {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}.")
     if only is not None:  # named wrong: said before anything runs, GPU or not
         root = repository_root()
-        names = [p.name for p in [*root.glob("notebooks/[0-9][0-9]_*.ipynb"), *root.glob("benchmarks/*.py")]]
+        names = [p.name for p in [*root.glob("notebooks/[0-9][0-9]*_*.ipynb"), *root.glob("benchmarks/*.py")]]
         names += [p.name for p in root.glob("tests/test_*.py")]
         unmatched = [prefix for prefix in only if not any(name.startswith(prefix) for name in names)]
         if unmatched:

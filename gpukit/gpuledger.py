@@ -62,7 +62,7 @@ PLANNED = "(planned)"  # the commit of a pass plan_leases assumes: this working 
 def gpu_items(root: Path) -> list[str]:
     """Every item, as a path from the checkout's root: test files with a gpu test, lessons, benchmarks."""
     tests = [p for p in sorted((root / "tests").glob("test_*.py")) if GPU_MARK.search(p.read_text())]
-    lessons = sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    lessons = sorted((root / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     benchmarks = sorted((root / "benchmarks").glob("*.py"))
     return [path.relative_to(root).as_posix() for path in [*tests, *lessons, *benchmarks]]
 

@@ -36,7 +36,7 @@ def copy_lessons(destination: str | Path, overwrite: bool = False) -> list[Path]
     A lesson already there is kept (your edits are never lost) unless `overwrite`: the error names them.
     """
     destination = Path(destination)
-    lessons = sorted(folder("lessons").glob("[0-9][0-9]_*.ipynb"))
+    lessons = sorted(folder("lessons").glob("[0-9][0-9]*_*.ipynb"))
     if not lessons:
         raise FileNotFoundError(f"no lessons in {folder('lessons')}: reinstall gpukit")
     existing = [destination / lesson.name for lesson in lessons if (destination / lesson.name).exists()]

@@ -38,7 +38,7 @@ from .gpucheck import child_environment
 from .runfile import git_commit
 from .shipped import folder
 
-LESSON_GLOB = "[0-9][0-9]_*.ipynb"
+LESSON_GLOB = "[0-9][0-9]*_*.ipynb"
 CELL_SECONDS = 600  # one cell; the tiny profile runs a whole lesson in 30-200 s on two busy cores
 METADATA_KEY = "gpukit"  # the notebook's metadata that says when it ran: {"executed": ISO time, "seconds": …}
 FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")

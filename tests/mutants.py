@@ -155,8 +155,9 @@ def run_lesson(
 
 
 def find_lessons(chosen: Sequence[str] | None) -> list[Path]:
-    """The lessons whose name starts with one of `chosen` ("00", "03_memory"), or notebook paths; all by default."""
-    lessons = sorted(LESSONS.glob("[0-9][0-9]_*.ipynb"))
+    """The lessons numbered one of `chosen` ("06", "06b"), else whose name starts with it ("0", "03_memory"), or
+    notebook paths; all by default."""
+    lessons = sorted(LESSONS.glob("[0-9][0-9]*_*.ipynb"))
     if not chosen:
         return lessons
     found = []
@@ -164,7 +165,8 @@ def find_lessons(chosen: Sequence[str] | None) -> list[Path]:
         if choice.endswith(".ipynb"):
             matches = [Path(choice).resolve()] if Path(choice).is_file() else []
         else:
-            matches = [path for path in lessons if path.stem.startswith(choice)]
+            numbered = [path for path in lessons if lesson_number(path.stem) == choice]  # "06": not "06b_…" too
+            matches = numbered or [path for path in lessons if path.stem.startswith(choice)]
         if not matches:
             raise SystemExit(f"--lessons {choice}: no lesson in {LESSONS} starts so, and no such notebook file.")
         found += [path for path in matches if path not in found]

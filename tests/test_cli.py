@@ -256,7 +256,7 @@ def test_lab_copies_the_lessons_into_an_empty_folder_and_hands_over_to_jupyterla
     assert root[-3:] == ["--port=9999", "--no-browser", str(tmp_path / "mine")]  # the user's options, then the folder
     out = capsys.readouterr().out
     assert out.count("copied") == 1 and "running as root: JupyterLab starts with --allow-root" in out
-    assert len(list((tmp_path / "mine").glob("[0-9][0-9]_*.ipynb"))) >= 10
+    assert len(list((tmp_path / "mine").glob("[0-9][0-9]*_*.ipynb"))) >= 10
 
 
 def test_lab_without_jupyterlab_says_which_extra_to_install(tmp_path, monkeypatch, capsys):

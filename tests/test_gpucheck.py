@@ -19,7 +19,7 @@ from gpukit.gpucheck import Machine, StepResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted((REPO_ROOT / "benchmarks").glob("*.py"))
-LESSONS = sorted(path.stem for path in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LESSONS = sorted(path.stem for path in (REPO_ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 MACHINE = Machine(["NVIDIA H100 80GB HBM3"], "580.159", "13.0", "2.11.0+cu130", "3.12.3", "0123456789ab", "2026-11-24")
 
 

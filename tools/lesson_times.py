@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"Python {platform.python_version()}, profile {args.profile}; logs in {logs}", flush=True)  # fmt: skip
     rows = []
-    for notebook in chosen((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), args.only):
+    for notebook in chosen((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"), args.only):
         rows.append(time_lesson(notebook, args.profile, logs, args.cell_seconds, args.lesson_seconds))
         print(rows[-1], flush=True)
     print("\n".join(markdown_table(list(rows[0]), rows)) if rows else "no lesson matched")

@@ -106,13 +106,13 @@ def updated_readme(text: str, repo: str) -> str:
     def row(match: re.Match) -> str:
         return f"| `{match[1]}` | {badges(match[1] + '.ipynb', repo)} |"
 
-    return re.sub(r"^\| `(\d\d_\w+)` \|(?: \[!\[Open in Colab\][^|]*\|)?", row, text, flags=re.MULTILINE)
+    return re.sub(r"^\| `(\d\d[a-z]?_\w+)` \|(?: \[!\[Open in Colab\][^|]*\|)?", row, text, flags=re.MULTILINE)
 
 
 def main(check: bool) -> int:
     repo = repository()
     stale = []
-    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
         new = nbformat.writes(updated_lesson(path, repo)) + "\n"
         if new != path.read_text():
             stale.append(path.name)

@@ -6,6 +6,7 @@ Every byte count is of tensor storages, each storage counted once however many v
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,6 +19,20 @@ from torch.utils._pytree import tree_leaves
 
 CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every allocation up to a multiple of this
 CUDA_UNSPLIT = 2**20  # bytes: it hands out a large cached block whole when no more than this would remain
+
+
+def keeps_generators(function: Callable) -> Callable:
+    """`function` with torch's random generators as they were when it returns (or raises): the CPU's, and every
+    initialised CUDA device's. The model runs that gk.memory makes draw (dropout, a diffusion model's noise): a run
+    seeded before estimate() must draw after it what it would have drawn without it."""
+
+    @functools.wraps(function)
+    def kept(*args, **kwargs):
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            return function(*args, **kwargs)
+
+    return kept
 
 
 def storage_of(tensor) -> torch.UntypedStorage | None:

@@ -26,7 +26,16 @@ from ..optim import make_optimizer
 from ..precision import Precision, get_precision
 from ..report import format_bytes
 from ..step import Batch, Loss, TrainStep, split_batch, unpack_outputs
-from .counting import CUDA_BLOCK, CUDA_UNSPLIT, LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
+from .counting import (
+    CUDA_BLOCK,
+    CUDA_UNSPLIT,
+    LiveTensors,
+    SavedTensors,
+    keeps_generators,
+    optimizer_tensors,
+    storage_bytes,
+    storage_of,
+)
 from .parts import MemoryBreakdown
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +337,7 @@ def allocate_cublas_workspaces(device: torch.device) -> None:
     del weight
 
 
+@keeps_generators
 def breakdown(
     model: nn.Module,
     batch,

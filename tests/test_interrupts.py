@@ -249,3 +249,18 @@ def test_an_interrupted_fit_resumes_bit_equal(point, uninterrupted, tmp_path):
         disturb_generators(101 + number)
         history = fit(kind, resumed, resumed_data, directory)
         assert_same_run(resumed, history, directory, uninterrupted[kind])
+
+
+def test_an_interrupt_during_the_checks_before_training_says_so(tmp_path):
+    """Ctrl-C while fit runs eval_data's first batch through the model, before the first step: a note says training
+    had not started; the weights are as they came and nothing was saved."""
+    model = cnn()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    TRAP.arm("eval forward", 1)  # the first eval forward is fit's check of eval_data, before any training
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        fit("cnn", model, CountedImages(), tmp_path)
+    assert TRAP.calls["forward"] == 0  # no training forward ran
+    note = "".join(getattr(stopped.value, "__notes__", []))
+    assert "interrupted before training started" in note and "nothing was saved" in note, note
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not (tmp_path / "last.pt").exists()

@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 
 import torch
@@ -56,6 +56,26 @@ from .tally import RunningSums, Tally, check_metrics
 from .tensorboard_log import open_log
 
 
+def _noted_if_interrupted_before_training(fit_function: Callable) -> Callable:
+    """Ctrl-C during fit's checks and setup (eval_data's first batch through the model, a compile, a resume's read)
+    gets a note as an interrupted training does: nothing was trained or saved."""
+
+    @wraps(fit_function)
+    def noted(*args, **kwargs):
+        try:
+            return fit_function(*args, **kwargs)
+        except KeyboardInterrupt as stopped:
+            if not getattr(stopped, "noted_by_fit", False):  # (_train's handler said how far training got)
+                stopped.add_note(
+                    "fit was interrupted before training started: no optimizer step was taken and nothing was saved; "
+                    "the weights are as they came (or, with a checkpoint_dir, as its last save)."
+                )
+            raise
+
+    return noted
+
+
+@_noted_if_interrupted_before_training
 def fit(
     model: nn.Module,
     train_data,
@@ -510,6 +530,7 @@ def _train(run: _Run, epochs: int) -> History:
     except BaseException as stopped:  # KeyboardInterrupt too: the model as of its last optimizer step, and where
         run.model.zero_grad(set_to_none=True)  # (the unfinished step's gradients would go into the next fit's first)
         stopped.add_note(run.how_far())
+        stopped.noted_by_fit = True
         raise
     if error is None:
         return run.history

@@ -159,12 +159,18 @@ POINTS = {
     "gpt: evaluation after epoch 2": ("gpt", "eval forward", 4),
     "gpt: after the last save": ("gpt", "save after", 4),
 }
-SAME_OBJECTS = {  # points after a save, also resumed with the interrupted call's own model and data objects (before
-    # the first save there is nothing to resume from: a call again trains on from the weights as they are, the note says)
+SAME_OBJECTS = {  # points also resumed with the interrupted call's own model and data objects; before the first save
+    # fit puts the model and optimizer back as it found them (nothing on disk to resume from), after it the save resumes
+    "the first forward",
+    "mid-accumulation (step 1's second forward)",
+    "after optimizer step 2's update",
+    "before the first save is written",
     "the schedule's step after optimizer step 3",
     "after epoch 1's save is written",
     "after a save, before the epoch ends",
     "evaluation after epoch 1",
+    "gpt: mid-accumulation",
+    "gpt: between backward and step",
     "gpt: evaluation after epoch 2",
 }
 
@@ -222,7 +228,7 @@ def assert_says_how_far(note: str, directory, place: str) -> None:
         epoch = saved["epoch"] + (saved["position"] > 0)
         assert f"keeps the last good save: optimizer step {saved['step']} (epoch {epoch})" in note, note
     else:
-        assert "nothing was saved there yet" in note and "starts afresh from the weights as they are" in note, note
+        assert "nothing was saved there yet" in note and "put back as fit found them" in note, note
 
 
 @pytest.mark.parametrize("point", POINTS)

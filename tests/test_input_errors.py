@@ -115,6 +115,23 @@ def test_evaluate_leaves_an_empty_batch_out():
     assert with_empty == gk.evaluate(model, batches, device=CPU)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluate_leaves_a_batch_whose_targets_are_all_ignored_out(kind):
+    """A batch of padding only (every target -100) scores nothing: its mean loss would be 0/0 = NaN. It adds no loss,
+    token or sample, wherever it comes (first or later); a set of only such batches is an error that says so."""
+    build, good, _, _ = KINDS[kind]
+    model, batches = build(), [good(), good()]
+    inputs, target = good()
+    ignored = (inputs, torch.full_like(target, -100))
+    expected = gk.evaluate(model, batches, device=CPU)
+    for where in (0, 1, 2):
+        measured = gk.evaluate(model, [*batches[:where], ignored, *batches[where:]], device=CPU)
+        assert measured == expected, where  # the loss a finite number, tokens and samples as without it
+    assert all(value == value for value in expected.values())  # (no NaN to compare equal by accident)
+    with pytest.raises(ValueError, match=r"every one of its 2 batches has all its targets equal to -100"):
+        gk.evaluate(model, [ignored, ignored], device=CPU)
+
+
 def test_a_target_out_of_range_in_evaluation_names_the_batch():
     batches = [(features(8), classes(8)), (features(8, 1), classes(8, 1) + 4)]
     with pytest.raises(ValueError, match=r"batch 2 of the evaluation data.*out of range for the model's 4 outputs"):

@@ -44,6 +44,7 @@ from .checks import (
     check_eval_data,
     check_finite_inputs,
     check_first_batch,
+    check_host_targets,
     describe,
     explained_model_failure,
     failed_batch_cause,
@@ -463,6 +464,12 @@ class _Run:
         if self.device.type == "cuda":
             watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
 
+    def target_check(self) -> Callable | None:
+        """On a GPU, each batch's class targets checked on the host before their copy (check_host_targets)."""
+        if self.device.type == "cpu":
+            return None  # an out-of-range target is an IndexError here, which the loss explains
+        return partial(check_host_targets, loss=self.loss, device=self.device, epoch=self.epoch)
+
     def keep_initial_state(self) -> None:
         """A host copy of the model's state (weights, buffers) and the optimizer's, put back if fit is stopped before
         the first save: the same call again (the same model object, as a re-run cell has) then starts from what this
@@ -586,7 +593,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         torch.cuda.reset_peak_memory_stats(run.device)
     tally, window = Tally(run.device, run.loss, run.metrics), _Window(run.device)
     if run.checkpoint is None:
-        epoch_batches, micro = batches(loader, run.device), 0
+        epoch_batches, micro = batches(loader, run.device, check=run.target_check()), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
         epoch_batches, micro = run.checkpoint.start_epoch(run, tally, window)
     batch = None  # a resumed epoch saved at its end (a kill during its evaluation) reads no batch

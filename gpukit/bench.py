@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .env import resolve_device, synchronize
@@ -256,11 +256,17 @@ def _count_for_real(model: torch.nn.Module, batch, device: torch.device, backwar
 
 def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
     """Attention's backward as the math kernel runs it: two matmuls per forward matmul (2 × the forward's FLOPs)."""
-    return 2 * sdpa_flop_count(query_shape, key_shape, value_shape)
+    return 2 * _attention_flops(query_shape, key_shape, value_shape)
 
 
 def _attention_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)  # q·kᵀ and scores·v; a causal mask is not subtracted
+    """q·kᵀ and scores·v, 2 FLOPs per multiply-add; a causal mask is not subtracted. Query (B, Hq, Tq, D), key and
+    value (B, Hkv, Tk, D) and (B, Hkv, Tk, Dv): grouped-query attention (Hkv < Hq, enable_gqa=True) broadcasts each
+    key/value head to Hq / Hkv query heads, so every query head does the same work. (torch's own sdpa_flop_count
+    asserted Hq == Hkv in the versions this kit met a GQA model with: a real run of one raised.)"""
+    batch, heads, queries, width = query_shape
+    keys, value_width = key_shape[-2], value_shape[-1]
+    return 2 * batch * heads * queries * keys * (width + value_width)
 
 
 _aten = torch.ops.aten

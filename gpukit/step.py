@@ -542,6 +542,7 @@ class Loss:
         # synchronisation): on a GPU an out-of-range target is a device-side assert that ends the process.
         self.check_targets = check_targets
         self.diagnoses = check_targets  # read the targets when the loss fails (not on the meta device or fake ones)
+        self.classes: int | None = None  # the prediction's classes, once the first batch's targets were checked
         self.takes_outputs = False
         if loss_fn is None or loss_fn == "cross_entropy" or loss_fn is F.cross_entropy:
             self.name, self.fn, self.explicit = "cross_entropy", None, loss_fn is not None
@@ -651,6 +652,7 @@ class Loss:
         if not self.check_targets:
             return
         self.check_targets = False
+        self.classes = prediction.shape[-1] if prediction.shape[:-1] == target.shape else prediction.shape[1]
         wrong = self._wrong_targets(prediction, target)
         if wrong is not None:
             raise BatchError(wrong)

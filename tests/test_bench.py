@@ -149,6 +149,48 @@ def test_flops_of_attention_are_the_same_on_the_meta_device_and_on_a_real_run():
     assert flops_per_step(CheckedAttention(check=False), inputs, backward=False) == projection + attention
 
 
+class GroupedQueryAttention(CheckedAttention):
+    """CheckedAttention with 4 query heads and 2 key/value heads (enable_gqa=True): each k/v head serves 2 queries."""
+
+    def __init__(self, width: int = 16, check: bool = True):
+        super().__init__(width, heads=4, check=check)
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(width, 2 * width, bias=False)  # q: width; k and v: width / 2 each
+
+    def forward(self, inputs):
+        batch, length, width = inputs.shape
+        size = width // self.heads
+        queries, keys, values = self.qkv(inputs).split([width, width // 2, width // 2], dim=-1)
+        queries = queries.view(batch, length, self.heads, size).transpose(1, 2)
+        keys, values = (part.view(batch, length, self.heads // 2, size).transpose(1, 2) for part in (keys, values))
+        attended = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, enable_gqa=True)
+        if self.check and not torch.isfinite(attended).all():
+            raise ValueError("non-finite attention")
+        return attended
+
+
+def test_flops_of_grouped_query_attention_broadcast_the_key_value_heads(monkeypatch):
+    """GQA counted by hand: every one of the 4 query heads does q·kᵀ and scores·v against its group's k/v head. On a
+    real CPU run (the fused kernel) and on the meta device alike, and with a torch whose own formula asserts equal
+    head counts (as torch's sdpa_flop_count did), which gpukit's count must not depend on."""
+
+    def equal_heads_only(query_shape, key_shape, value_shape):
+        assert query_shape[1] == key_shape[1], "sdpa_flop_count: q and k/v head counts differ"
+        return 0
+
+    monkeypatch.setattr(gk.bench, "sdpa_flop_count", equal_heads_only, raising=False)
+    batch, length, width, heads = 2, 8, 16, 4
+    inputs = torch.randn(batch, length, width, generator=torch.Generator().manual_seed(0), device="cpu")
+    projection = 2 * batch * length * width * 2 * width
+    attention = 2 * (2 * batch * heads * length * length * (width // heads))  # per query head, k/v broadcast
+    with pytest.warns(UserWarning, match="meta device cannot run"):
+        real = flops_per_step(GroupedQueryAttention(check=True), inputs)
+    meta = flops_per_step(GroupedQueryAttention(check=False), inputs)
+    assert real == meta == projection * 2 + attention * 3  # backward: the weights' gradient; attention's 2x
+    with pytest.warns(UserWarning, match="meta device cannot run"):
+        assert flops_per_step(GroupedQueryAttention(check=True), inputs, backward=False) == projection + attention
+
+
 class CheckedGPT(torch.nn.Module):
     """tests/helpers.tiny_gpt that refuses non-finite logits: a number read from its outputs, so counted for real."""
 

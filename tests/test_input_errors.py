@@ -5,6 +5,8 @@ ignored, empty batches, a batch of one under BatchNorm, token ids beyond the voc
 Each case on the CPU, seeded, with the MLP of tests/helpers.py and with a second kind of model (the tiny GPT on
 (B, T) tokens, or the Hugging Face-style CausalLM on dict batches)."""
 
+from functools import partial
+
 import pytest
 import torch
 from helpers import CausalLM, small_mlp, tiny_gpt, tokens
@@ -12,7 +14,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
+from gpukit.step import Loss
 from gpukit.train import NonFiniteLossError
+from gpukit.train.checks import check_host_targets
+from gpukit.train.data import batches
 
 CPU = torch.device("cpu")
 
@@ -115,6 +120,23 @@ def test_evaluate_leaves_an_empty_batch_out():
     assert with_empty == gk.evaluate(model, batches, device=CPU)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluate_leaves_a_batch_whose_targets_are_all_ignored_out(kind):
+    """A batch of padding only (every target -100) scores nothing: its mean loss would be 0/0 = NaN. It adds no loss,
+    token or sample, wherever it comes (first or later); a set of only such batches is an error that says so."""
+    build, good, _, _ = KINDS[kind]
+    model, batches = build(), [good(), good()]
+    inputs, target = good()
+    ignored = (inputs, torch.full_like(target, -100))
+    expected = gk.evaluate(model, batches, device=CPU)
+    for where in (0, 1, 2):
+        measured = gk.evaluate(model, [*batches[:where], ignored, *batches[where:]], device=CPU)
+        assert measured == expected, where  # the loss a finite number, tokens and samples as without it
+    assert all(value == value for value in expected.values())  # (no NaN to compare equal by accident)
+    with pytest.raises(ValueError, match=r"every one of its 2 batches has all its targets equal to -100"):
+        gk.evaluate(model, [ignored, ignored], device=CPU)
+
+
 def test_a_target_out_of_range_in_evaluation_names_the_batch():
     batches = [(features(8), classes(8)), (features(8, 1), classes(8, 1) + 4)]
     with pytest.raises(ValueError, match=r"batch 2 of the evaluation data.*out of range for the model's 4 outputs"):
@@ -161,3 +183,38 @@ def test_a_refused_first_batch_leaves_batch_norm_statistics_as_they_were(bad_tar
     with pytest.raises(ValueError):
         train(model, [(features(8), target), (features(8, 1), classes(8, 1))])
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items()), bad_target
+
+
+def checked_loss(classes: int) -> gk.step.Loss:
+    """The training loss after its first batch: it has read the number of classes (and checked that batch)."""
+    loss = gk.step.Loss()
+    loss(torch.zeros(2, classes), torch.tensor([0, classes - 1]))
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("target", "wrong"),
+    [(torch.tensor([0, 4, 1]), 4), (torch.tensor([-1, 2, 3]), -1), (torch.tensor([-100, -3, 2]), -3)],
+)
+def test_on_a_gpu_each_batchs_targets_are_checked_on_the_host_before_the_copy(target, wrong):
+    """On a GPU a target out of range in a later batch would end in a device-side assert: each CPU batch is read on
+    the host (min and max) and refused naming the batch, the value and the classes. -100 (ignored) passes."""
+    check = partial(check_host_targets, loss=checked_loss(4), device=torch.device("cuda", 0), epoch=1)
+    good = (features(3), torch.tensor([0, 3, -100]))
+    assert check(good, 1) is good
+    with pytest.raises(ValueError, match=rf"batch 7 of epoch 2 holds the class target {wrong}, .* 4 outputs \(0\.\.3"):
+        check((features(3), target), 7)
+    assert Loss().classes is None  # before a first batch: nothing is known, nothing is checked
+    assert check_host_targets((features(3), target), 1, loss=Loss(), device=torch.device("cuda"), epoch=0)
+
+
+def test_the_refused_batch_is_never_copied_to_the_gpu(fake_cuda):
+    """Through fit's batches on a (fake) GPU: the prefetcher copies batch k+1 while step k runs; batch 3's targets are
+    refused before its copy, after batches 1 and 2 were copied."""
+    data = DataLoader(TensorDataset(features(12), torch.tensor([0, 1, 2, 3] * 2 + [0, 9, 1, 2])), batch_size=4)
+    check = partial(check_host_targets, loss=checked_loss(4), device=torch.device("cuda", 0), epoch=0)
+    read = []
+    with pytest.raises(ValueError, match=r"batch 3 of epoch 1 holds the class target 9"):
+        for batch in batches(data, torch.device("cuda", 0), check=check):
+            read.append(batch.target.is_cuda)
+    assert read == [True, True] and len(fake_cuda.copies) == 4  # two batches of (inputs, target)

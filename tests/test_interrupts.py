@@ -159,12 +159,18 @@ POINTS = {
     "gpt: evaluation after epoch 2": ("gpt", "eval forward", 4),
     "gpt: after the last save": ("gpt", "save after", 4),
 }
-SAME_OBJECTS = {  # points after a save, also resumed with the interrupted call's own model and data objects (before
-    # the first save there is nothing to resume from: a call again trains on from the weights as they are, the note says)
+SAME_OBJECTS = {  # points also resumed with the interrupted call's own model and data objects; before the first save
+    # fit puts the model and optimizer back as it found them (nothing on disk to resume from), after it the save resumes
+    "the first forward",
+    "mid-accumulation (step 1's second forward)",
+    "after optimizer step 2's update",
+    "before the first save is written",
     "the schedule's step after optimizer step 3",
     "after epoch 1's save is written",
     "after a save, before the epoch ends",
     "evaluation after epoch 1",
+    "gpt: mid-accumulation",
+    "gpt: between backward and step",
     "gpt: evaluation after epoch 2",
 }
 
@@ -222,7 +228,7 @@ def assert_says_how_far(note: str, directory, place: str) -> None:
         epoch = saved["epoch"] + (saved["position"] > 0)
         assert f"keeps the last good save: optimizer step {saved['step']} (epoch {epoch})" in note, note
     else:
-        assert "nothing was saved there yet" in note and "starts afresh from the weights as they are" in note, note
+        assert "nothing was saved there yet" in note and "put back as fit found them" in note, note
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -249,3 +255,18 @@ def test_an_interrupted_fit_resumes_bit_equal(point, uninterrupted, tmp_path):
         disturb_generators(101 + number)
         history = fit(kind, resumed, resumed_data, directory)
         assert_same_run(resumed, history, directory, uninterrupted[kind])
+
+
+def test_an_interrupt_during_the_checks_before_training_says_so(tmp_path):
+    """Ctrl-C while fit runs eval_data's first batch through the model, before the first step: a note says training
+    had not started; the weights are as they came and nothing was saved."""
+    model = cnn()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    TRAP.arm("eval forward", 1)  # the first eval forward is fit's check of eval_data, before any training
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        fit("cnn", model, CountedImages(), tmp_path)
+    assert TRAP.calls["forward"] == 0  # no training forward ran
+    note = "".join(getattr(stopped.value, "__notes__", []))
+    assert "interrupted before training started" in note and "nothing was saved" in note, note
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not (tmp_path / "last.pt").exists()

@@ -19,10 +19,12 @@ from torch import nn
 
 from ..env import resolve_device
 from ..step import Loss, split_batch
+from .counting import keeps_generators
 
 __all__ = ["saved_bytes"]
 
 
+@keeps_generators
 def saved_bytes(
     model: nn.Module,
     batch,

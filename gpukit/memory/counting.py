@@ -6,6 +6,7 @@ Every byte count is of tensor storages, each storage counted once however many v
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,6 +32,20 @@ def allocator_slack_for(storage_sizes) -> int:
     is no tensor's (cuBLAS's workspaces, cuDNN's inside an operator) is not in this bound.
     """
     return sum(CUDA_UNSPLIT for size in storage_sizes if -(-size // CUDA_BLOCK) * CUDA_BLOCK > CUDA_UNSPLIT)
+
+
+def keeps_generators(function: Callable) -> Callable:
+    """`function` with torch's random generators as they were when it returns (or raises): the CPU's, and every
+    initialised CUDA device's. The model runs that gk.memory makes draw (dropout, a diffusion model's noise): a run
+    seeded before estimate() must draw after it what it would have drawn without it."""
+
+    @functools.wraps(function)
+    def kept(*args, **kwargs):
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            return function(*args, **kwargs)
+
+    return kept
 
 
 def storage_of(tensor) -> torch.UntypedStorage | None:

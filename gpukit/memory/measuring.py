@@ -31,6 +31,7 @@ from .counting import (
     CUDA_UNSPLIT,
     LiveTensors,
     SavedTensors,
+    keeps_generators,
     optimizer_tensors,
     storage_bytes,
     storage_of,
@@ -336,6 +337,7 @@ def allocate_cublas_workspaces(device: torch.device) -> None:
     del weight
 
 
+@keeps_generators
 def breakdown(
     model: nn.Module,
     batch,

@@ -14,6 +14,7 @@ from ..report import format_bytes
 from ..step import Batch
 from ..validation import check_int
 from .allocator import free_memory
+from .counting import keeps_generators
 from .measuring import breakdown, check_model, sample_batch
 from .parts import MemoryBreakdown
 from .prediction import precision_name, predict, target_device
@@ -64,6 +65,7 @@ def _free_for_training(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+@keeps_generators
 def max_batch_size(
     model: nn.Module,
     batch,

@@ -13,7 +13,7 @@ from ..optim import OPTIMIZERS, muon_parameters
 from ..precision import PRECISIONS, Precision
 from ..step import Batch, Loss, TrainStep, training_mode
 from ..validation import is_int
-from .counting import CUDA_BLOCK, LiveTensors
+from .counting import CUDA_BLOCK, LiveTensors, keeps_generators
 from .fused_workspaces import FusedWorkspaces
 from .measuring import CannotSimulateError, MeasuredStep, build_optimizer, check_model, measured_instead, sample_batch
 from .parts import MemoryBreakdown
@@ -117,6 +117,7 @@ def predict(
         )
 
 
+@keeps_generators
 def estimate(
     model: nn.Module,
     batch,

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..env import resolve_device
 from ..precision import Precision, get_precision
+from .counting import keeps_generators
 from .measuring import check_model, compact, sample_batch
 
 
@@ -108,6 +109,7 @@ def _layer_scratch(module: nn.Module, specs: tuple, precision: Precision, device
     return scratch.most
 
 
+@keeps_generators
 def layer_workspaces(
     model: nn.Module,
     batch,

@@ -559,7 +559,7 @@ class Checkpointer:
         if pending is None:
             if self.save_every:
                 self.epoch_start = {"generators": global_generators(self.device), "order": order_state(run.loader)}
-            return batches(run.loader, run.device), 0
+            return batches(run.loader, run.device, check=run.target_check()), 0
         self.epoch_start = pending["start"]
         restore_global_generators(pending["start"]["generators"], self.device)
         restore_order(run.loader, pending["start"]["order"])
@@ -575,7 +575,7 @@ class Checkpointer:
         if pending["tally"] is not None:
             _load_sums(tally, pending["tally"], run.device)
             _load_sums(window, pending["window"], run.device)
-        return batches(run.loader, run.device, iterator), pending["position"]
+        return batches(run.loader, run.device, iterator, run.target_check(), pending["position"]), pending["position"]
 
     def save(self, run, epoch: int, position: int = 0, tally=None, window=None) -> None:
         """Save `run` after `position` micro-batches of epoch `epoch` (counted from 0); every rank calls it. A state

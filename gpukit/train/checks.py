@@ -41,7 +41,16 @@ from torch.utils.data import Dataset
 from .. import distributed
 from ..precision import Precision
 from ..report import format_bytes
-from ..step import Batch, BatchError, Loss, describe_value, named_outputs, training_mode, unpack_outputs
+from ..step import (
+    Batch,
+    BatchError,
+    Loss,
+    describe_value,
+    named_outputs,
+    split_batch,
+    training_mode,
+    unpack_outputs,
+)
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -341,6 +350,31 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index
             "without a scored target (padding only, or too short to predict a next token), or give each batch at "
             "least one."
         )
+
+
+def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, epoch: int):
+    """`raw` (a batch as the loader gave it) if its integer targets on the host are classes of the model's outputs;
+    else a BatchError naming the batch, the value and the classes. For training on a GPU, where an out-of-range target
+    is a device-side assert that ends the process: checked before the copy, with a min and a max on the host (no
+    synchronisation; microseconds for a batch of labels or token ids). Known from the second batch on: the first
+    batch's loss reads the number of classes."""
+    classes = loss.classes
+    target = split_batch(raw).target if classes is not None else None
+    if not _is_class_tensor(target) or target.device.type != "cpu" or target.numel() == 0:
+        return raw
+    low, high = (int(value) for value in torch.aminmax(target))
+    if low == loss.ignore_index and high < classes:
+        scored = target[target != loss.ignore_index]  # padding: the smallest scored target, where there is one
+        low = int(scored.min()) if scored.numel() else 0
+    if low >= 0 and high < classes:
+        return raw
+    wrong = high if high >= classes else low
+    raise BatchError(
+        f"batch {number} of epoch {epoch + 1} holds the class target {wrong}, out of range for the model's {classes} "
+        f"outputs (0..{classes - 1}; {loss.ignore_index} is ignored): on {device} it would end the process in a "
+        "device-side assert, so it was refused before its copy. Fix the labels (numbered from 1? subtract 1), or "
+        f"give the model {max(high + 1, classes)} outputs."
+    )
 
 
 def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -72,11 +72,16 @@ def length(loader) -> int | None:
         return None
 
 
-def batches(loader, device: torch.device, iterator: Iterator | None = None) -> Iterable:
+def batches(
+    loader, device: torch.device, iterator: Iterator | None = None, check: Callable | None = None, start: int = 0
+) -> Iterable:
     """What the training loop iterates over: a host-side loader (DataLoader, ShardLoader) on a CUDA device
     copies each next batch on a side stream while the current step runs (gk.data.prefetch); any other
-    loader as it is (device-resident ones need no copy). `iterator`: an epoch of `loader` already begun."""
+    loader as it is (device-resident ones need no copy). `iterator`: an epoch of `loader` already begun.
+    `check(raw, number)`: called on each batch as the loader gave it, before any copy, numbered from `start` + 1."""
     source = loader if iterator is None else iterator
+    if check is not None:
+        source = (check(raw, number) for number, raw in enumerate(source, start + 1))
     return prefetch(source, device) if isinstance(loader, (DataLoader, ShardLoader)) else source
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from .. import distributed
 from ..env import resolve_device
 from ..precision import Precision, get_precision
-from ..step import BatchError, Loss, training_mode
+from ..step import Batch, BatchError, Loss, split_batch, training_mode
 from .data import as_loader, batch_on_device
 from .tally import Tally, check_metrics
 
@@ -36,6 +36,8 @@ def evaluate(
     Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and "tokens"
     for sequence data}. The loss and metrics are means over samples; accuracy is over scored targets.
     A model that returns a dict of losses gets one entry per loss too ("loss_classifier", …).
+    A batch whose integer targets all equal the loss's ignore_index (-100: padding only) scores nothing: it is
+    left out (no loss, no token, no sample), where its mean loss would be 0/0 = NaN; if every batch is, it is an error.
 
     Detection (batches (images, targets), targets a list of dicts): the model is called as
     model(images, targets) in eval mode, as in training. torchvision's detectors then return their
@@ -64,12 +66,14 @@ def evaluate(
     split = over_ranks and distributed.world_size() > 1 and not distributed.is_sharded(model)
     if split:  # this rank's share of the batches: every world_size-th, none left out, none counted twice
         loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
-    tally = Tally(device, loss, metrics)
+    tally, unscored = Tally(device, loss, metrics), 0
     with training_mode(model, False):
         for number, raw in enumerate(loader, 1):
-            batch = batch_on_device(raw, device, channels_last)
-            if batch.size == 0:
-                continue  # no samples: nothing to add (its mean loss would be 0/0 = NaN)
+            batch = split_batch(raw)
+            if _scores_nothing(batch, loss.ignore_index):  # read before the copy where the target is on the host
+                unscored += 1
+                continue  # its mean loss would be 0/0 = NaN: no loss, token, sample or metric of it is added
+            batch = batch_on_device(batch, device, channels_last)
             try:
                 with precision.autocast():
                     outputs = batch.call(model)
@@ -79,9 +83,26 @@ def evaluate(
             tally.add(batch, value, outputs)
     if split:
         tally.over_ranks()
+    if tally.samples == 0 and unscored:
+        raise ValueError(
+            f"evaluate() scores nothing: every one of its {unscored} batches has all its targets equal to "
+            f"{loss.ignore_index} (ignored), so there is no loss to average (0/0 = NaN). Give the evaluation data "
+            "targets to score (padding only, or sequences too short to predict a next token, have none)."
+        )
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
     return tally.read(tokens=True) | {"samples": tally.samples}
+
+
+def _scores_nothing(batch: Batch, ignore_index: int) -> bool:
+    """Whether the batch holds no sample, or integer targets all equal to `ignore_index` (-100: padding). Read on
+    the host for a host tensor; a target already on a GPU costs one synchronisation per batch."""
+    if batch.size == 0:
+        return True
+    target = batch.target
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
+        return False
+    return target.dtype != torch.bool and target.numel() > 0 and bool((target == ignore_index).all())
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -19,11 +19,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .. import distributed
 from .. import fp8 as float8
@@ -43,6 +44,7 @@ from .checks import (
     check_eval_data,
     check_finite_inputs,
     check_first_batch,
+    check_host_targets,
     describe,
     explained_model_failure,
     failed_batch_cause,
@@ -56,6 +58,26 @@ from .tally import RunningSums, Tally, check_metrics
 from .tensorboard_log import open_log
 
 
+def _noted_if_interrupted_before_training(fit_function: Callable) -> Callable:
+    """Ctrl-C during fit's checks and setup (eval_data's first batch through the model, a compile, a resume's read)
+    gets a note as an interrupted training does: nothing was trained or saved."""
+
+    @wraps(fit_function)
+    def noted(*args, **kwargs):
+        try:
+            return fit_function(*args, **kwargs)
+        except KeyboardInterrupt as stopped:
+            if not getattr(stopped, "noted_by_fit", False):  # (_train's handler said how far training got)
+                stopped.add_note(
+                    "fit was interrupted before training started: no optimizer step was taken and nothing was saved; "
+                    "the weights are as they came (or, with a checkpoint_dir, as its last save)."
+                )
+            raise
+
+    return noted
+
+
+@_noted_if_interrupted_before_training
 def fit(
     model: nn.Module,
     train_data,
@@ -153,7 +175,9 @@ def fit(
         place in the epoch and every random generator (torch, CUDA, NumPy, Python) are saved. A call that
         changes the lr or another setting that shapes the run is refused, naming it. A finished run called
         again with more epochs (or max_steps) goes on: weights and optimizer state carry on, and a new
-        schedule of this call's kind and lr spans the added steps (a warning says so). A file, or a folder
+        schedule of this call's kind and lr spans the added steps (a warning says so). Stopped before its first save
+        (Ctrl-C, an error), fit puts the model and optimizer back as it found them (a host copy of their state, kept
+        until that save): the same call again, with the same objects, ends as a run never stopped. A file, or a folder
         that cannot be written, is refused before any work. save_in_background=True writes each save in a
         thread: training waits only for a copy of the state in host memory (gpukit.train.async_checkpoint).
     log_dir: a folder (one per run) for TensorBoard scalars of every logged step and epoch (the
@@ -396,6 +420,7 @@ class _Run:
     epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
     phase: str = "loading data"  # what an out-of-memory error is reported as happening in
+    initial: dict | None = None  # with a checkpoint_dir, until its first save: the state fit began from, on the host
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -423,6 +448,8 @@ class _Run:
         self.checkpoint = Checkpointer(checkpoint_dir, plan, settings, save_every=save_every, device=self.device)
         self.checkpoint.hold()  # refused here if another live run trains in this folder
         self.start_epoch, self.step_index = self.checkpoint.resume(self, build_schedule)
+        if not self.checkpoint.holds_a_save():
+            self.keep_initial_state()
         warn_if_order_cannot_be_saved(self.loader)
         distributed.check_same(self.start_epoch, "the epoch to resume from")
 
@@ -437,6 +464,33 @@ class _Run:
         if self.device.type == "cuda":
             watch_out_of_memory()  # so that an out-of-memory error can say how much was asked for
 
+    def target_check(self) -> Callable | None:
+        """On a GPU, each batch's class targets checked on the host before their copy (check_host_targets)."""
+        if self.device.type == "cpu":
+            return None  # an out-of-range target is an IndexError here, which the loss explains
+        return partial(check_host_targets, loss=self.loss, device=self.device, epoch=self.epoch)
+
+    def keep_initial_state(self) -> None:
+        """A host copy of the model's state (weights, buffers) and the optimizer's, put back if fit is stopped before
+        the first save: the same call again (the same model object, as a re-run cell has) then starts from what this
+        one started from, and ends bit-equal to a run never stopped. A save at step 0 would do it too, but would leave
+        a file behind a call refused at its first batch; this copy costs no disk."""
+
+        def host_copy(value):
+            return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+        self.initial = {
+            "model": tree_map(host_copy, self.model.state_dict()),
+            "optimizer": tree_map(host_copy, self.step.optimizer.state_dict()),
+        }
+
+    def put_back_if_unsaved(self) -> None:
+        """After an interrupt before the first save (nothing on disk to resume from): the state fit began from."""
+        if self.initial is None or self.checkpoint.holds_a_save():
+            return
+        self.model.load_state_dict(self.initial["model"])
+        self.step.optimizer.load_state_dict(self.initial["optimizer"])
+
     def how_far(self) -> str:
         """Where training stopped, for the note an interrupted fit's error carries."""
         total = self.total_steps or "no end"
@@ -449,9 +503,10 @@ class _Run:
         elif self.checkpoint.holds_a_save():
             saved = f"{self.checkpoint.last_good_save()}; fit called again with it resumes from there"
         else:
-            saved = (
-                "nothing was saved there yet, so fit called again starts afresh from the weights as they are (build "
-                "the model anew for a run equal to one never interrupted)"
+            return (
+                f"fit stopped in epoch {self.epoch + 1} {where.split(':')[0]}, before its first save: the model and "
+                "optimizer were put back as fit found them (nothing was saved there yet), so fit called again starts "
+                "the run afresh and ends as a run never interrupted."
             )
         return f"fit stopped in epoch {self.epoch + 1} {where} (the unfinished step's gradients were dropped); {saved}."
 
@@ -509,7 +564,9 @@ def _train(run: _Run, epochs: int) -> History:
         )
     except BaseException as stopped:  # KeyboardInterrupt too: the model as of its last optimizer step, and where
         run.model.zero_grad(set_to_none=True)  # (the unfinished step's gradients would go into the next fit's first)
+        run.put_back_if_unsaved()
         stopped.add_note(run.how_far())
+        stopped.noted_by_fit = True
         raise
     if error is None:
         return run.history
@@ -536,7 +593,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         torch.cuda.reset_peak_memory_stats(run.device)
     tally, window = Tally(run.device, run.loss, run.metrics), _Window(run.device)
     if run.checkpoint is None:
-        epoch_batches, micro = batches(loader, run.device), 0
+        epoch_batches, micro = batches(loader, run.device, check=run.target_check()), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
         epoch_batches, micro = run.checkpoint.start_epoch(run, tally, window)
     batch = None  # a resumed epoch saved at its end (a kill during its evaluation) reads no batch
@@ -553,6 +610,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
                 break  # the last step is saved with its epoch's row, by _end_epoch
             if run.save_every and run.step_index % run.save_every == 0:
                 run.checkpoint.save(run, epoch, micro, tally, window)
+                run.initial = None  # a resume from that save is exact now
     if micro % run.accumulate:  # data without len(): drop the gradients of the last, incomplete step
         run.step.optimizer.zero_grad(set_to_none=True)
     if micro == 0:
@@ -664,6 +722,7 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     run.phase = "loading data"
     if run.checkpoint is not None:
         run.checkpoint.save(run, epoch + 1)
+        run.initial = None  # a resume from that save is exact now
 
 
 class _Window:

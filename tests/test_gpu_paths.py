@@ -289,6 +289,34 @@ def test_the_allocator_slack_fails_the_h100_runs_64_mib_miss(fake_cuda, monkeypa
     assert tensors - reference > missed.allocator_slack, (tensors, reference, missed.allocator_slack)
 
 
+# torch 2.14 reports cuBLAS's workspace sizes (torch._C._cuda_getCublasWorkspaceSize, ...LtWorkspaceSize); the lent
+# GPU machines' torch 2.11 has neither getter (its libtorch_python.so names none), where gpukit read 0 bytes.
+with_and_without_workspace_getters = pytest.mark.parametrize("getters", [True, False], ids=["torch 2.14", "torch 2.11"])
+
+
+@with_and_without_workspace_getters
+@pytest.mark.parametrize(
+    ("fake_cuda", "config", "cublas"),
+    [
+        ([H100], None, 32 * MiB),  # Hopper's default
+        ([T4], None, 8 * MiB + 128 * 1024),  # every other GPU's
+        ([H100], ":4096:2:16:8", 8 * MiB + 128 * 1024),  # CUBLAS_WORKSPACE_CONFIG, as deterministic runs set it
+    ],
+    indirect=["fake_cuda"],
+    ids=["H100", "T4", "H100 with CUBLAS_WORKSPACE_CONFIG"],
+)
+def test_cublas_workspace_bytes_with_and_without_torchs_getters(fake_cuda, monkeypatch, getters, config, cublas):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    if config is not None:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+        monkeypatch.setattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: cublas)  # torch 2.14 reads it so
+    if not getters:
+        for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
+            monkeypatch.delattr(torch._C, name)
+    assert memory.cublas_workspace_bytes() == cublas + MiB  # and cuBLASLt's 1 MiB (CUBLASLT_WORKSPACE_SIZE's default)
+
+
 @torch.library.custom_op("gpukit_tests::scratch_on_the_fake_gpu", mutates_args=())
 def _scratch(inputs: torch.Tensor, nbytes: int) -> torch.Tensor:
     """One operator that takes `nbytes` of the fake GPU and frees them before it returns, as cuDNN's workspace."""

@@ -256,6 +256,7 @@ CUDA_BY_CONTRACT = {
     "memory.allocator.limit_gpu_memory": "calls _cuda_device first",
     "memory.allocator.expandable_segments": "calls _cuda_device first",
     "memory.allocator.record_snapshot": "calls _cuda_device first",
+    "memory.measuring.cublas_workspace_bytes": "the current CUDA GPU's workspace: breakdown and lesson 03 ask on CUDA only",
     "memory.plan._free_for_training": "called only where the target is CUDA and torch.cuda.is_available()",
     "memory.workspaces.__torch_dispatch__": "the mode of layer_workspaces, which refuses a device that is not CUDA",
     "memory.workspaces.layer_workspaces": "a default argument; refuses a device that is not CUDA",

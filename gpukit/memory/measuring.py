@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -314,12 +316,29 @@ def _parts_at_peak(alive: dict[int, int], owners: dict[str, set[int]]) -> dict[s
 
 
 def cublas_workspace_bytes() -> int:
-    """One cuBLAS (and cuBLASLt) workspace, which PyTorch takes from the caching allocator per thread and stream."""
-    sizes = (
-        getattr(torch._C, name, lambda: 0)
-        for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize")
-    )
-    return sum(size() for size in sizes)
+    """One cuBLAS (and cuBLASLt) workspace, which PyTorch takes from the caching allocator per thread and stream,
+    on the current CUDA device."""
+    getters = [
+        getattr(torch._C, name, None) for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize")
+    ]
+    if all(getters):  # torch 2.14 says; torch 2.11 has neither getter (read from its libtorch_python.so)
+        return sum(getter() for getter in getters)
+    cublas = _chosen_cublas_workspace_bytes(torch.cuda.get_device_capability())
+    return cublas + _cublaslt_workspace_bytes(cublas)
+
+
+def _chosen_cublas_workspace_bytes(capability: tuple[int, int]) -> int:
+    """cuBLAS's workspace as torch chooses it (CublasHandlePool.cpp): CUBLAS_WORKSPACE_CONFIG's ":KiB:COUNT" pairs
+    summed, else 32 MiB on Hopper (compute capability 9.0) and 8 MiB + 128 KiB elsewhere."""
+    default = 4096 * 8 * 1024 if tuple(capability) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    return sum(int(kib) * 1024 * int(count) for kib, count in pairs) if pairs else default
+
+
+def _cublaslt_workspace_bytes(cublas: int) -> int:
+    """cuBLASLt's workspace as torch chooses it: CUBLASLT_WORKSPACE_SIZE KiB (default 1,024), at most cuBLAS's."""
+    kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024")
+    return min(int(kib) * 1024 if kib.strip().isdigit() else 1024 * 1024, cublas)
 
 
 def allocate_cublas_workspaces(device: torch.device) -> None:

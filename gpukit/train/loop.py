@@ -621,6 +621,7 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
     if not run.seen_outputs:
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
+    loss = loss.detach()  # once for both: each keeps it until its sums are added
     tally.add(batch, loss, outputs)
     window.add(batch, loss, loss_parts(outputs))
     run.phase = "loading data"

@@ -80,8 +80,8 @@ class RunningSums:
     deferred_limit = 32  # tensors kept per name before they are added: bounds the memory they hold
 
     def __init__(self, device: torch.device, names, before_reading: Callable[[], None] | None = None):
-        self.zero = torch.zeros((), device=device, dtype=torch.float64)
-        self._values = {name: self.zero.clone() for name in names}
+        self.zero, *zeros = torch.zeros(len(names) + 1, device=device, dtype=torch.float64).unbind()  # one kernel
+        self._values = dict(zip(names, zeros))
         self.pending: dict[str, list[tuple[torch.Tensor, int]]] = {}
         self.before_reading = before_reading  # adds what its owner holds back (Tally's held predictions)
 
@@ -109,7 +109,7 @@ class RunningSums:
     def defer(self, name: str, value: torch.Tensor, times: int = 1) -> None:
         """Add `value * times` (a 0-d tensor; the product in its own dtype, as `add` of it would) later."""
         waiting = self.pending.setdefault(name, [])
-        waiting.append((value.detach(), times))
+        waiting.append((value.detach() if value.requires_grad else value, times))
         if len(waiting) >= self.deferred_limit:
             self._settle(name)
 
@@ -187,8 +187,8 @@ class Tally:
         if batch.is_sequence:
             self.sequences = True
             self.sums.defer("tokens", batch.count_tokens())
-        if only_losses(outputs):
-            return  # a detector's training outputs: its losses (columns above), no prediction to measure
+        if not self.metrics or only_losses(outputs):
+            return  # (a detector's training outputs: its losses, columns above, and no prediction to measure)
         with torch.no_grad():
             for name, fn in self.metrics.items():
                 value = fn(outputs, batch.target)

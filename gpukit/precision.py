@@ -57,7 +57,14 @@ class Precision:
         return f"Precision({self.name!r}, device={str(self.device)!r})"
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Context for the forward pass and the loss."""
+        """Context for the forward pass and the loss. Without a dtype: autocast switched off (fp32 stays fp32 inside
+        an autocast region of yours), and where none is on, nothing (entering torch.autocast costs 15 µs a step)."""
+        if (
+            self.dtype is None
+            and self.device.type in ("cpu", "cuda")
+            and not torch.is_autocast_enabled(self.device.type)
+        ):
+            return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Batch, BatchError, Loss, split_batch, training_mode
 from .data import as_loader, batch_on_device
-from .tally import Tally, check_metrics
+from .tally import Tally, check_metrics, predictions_can_wait
 
 
 @torch.no_grad()
@@ -66,7 +66,7 @@ def evaluate(
     split = over_ranks and distributed.world_size() > 1 and not distributed.is_sharded(model)
     if split:  # this rank's share of the batches: every world_size-th, none left out, none counted twice
         loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
-    tally, unscored = Tally(device, loss, metrics), 0
+    tally, unscored = Tally(device, loss, metrics, predictions_can_wait(model, device)), 0
     with training_mode(model, False):
         for number, raw in enumerate(loader, 1):
             batch = split_batch(raw)

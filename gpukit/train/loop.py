@@ -242,10 +242,10 @@ def fit(
         eval_data=eval_data,
         micro_batch_size=getattr(loader, "batch_size", None),
         eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
+        hold_predictions=options.predictions_can_wait,
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
     )
-    optimizer_name = optimizer if isinstance(optimizer, str) else type(built).__name__
-    settings = _settings(peak_lr, optimizer_name, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config)
+    settings = _settings(run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config)
     del loader, built, parallel, forward  # the run holds them: an out-of-memory error releases the run whole
     try:
         run.resume_from(checkpoint_dir, save_every, settings, partial(make_schedule, schedule=schedule, warmup=warmup))
@@ -268,16 +268,16 @@ def _order_seed(seed: int | None) -> int:
     return check_int("seed", seed, minimum=0)
 
 
-def _settings(lr, optimizer, schedule, warmup, clip, precision, label_smoothing, seed, fp8_config) -> dict:
+def _settings(run: _Run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config) -> dict:
     """The hyper-parameters saved with each checkpoint: resuming with others is refused (the Checkpointer), except
-    lr, schedule and warmup when a finished run is extended."""
+    lr, schedule and warmup when a finished run is extended. `optimizer`: as fit was given it."""
     settings = {
-        "lr": lr,
-        "optimizer": optimizer,
+        "lr": run.peak_lr,
+        "optimizer": optimizer if isinstance(optimizer, str) else type(run.step.optimizer).__name__,
         "schedule": schedule,
         "warmup": warmup,
         "clip": clip,
-        "precision": precision.name,
+        "precision": run.precision.name,
         "label_smoothing": label_smoothing,
         "seed": seed,
     }
@@ -408,6 +408,7 @@ class _Run:
     eval_data: object
     eval_loss: Loss
     history: History
+    hold_predictions: bool = False  # the epoch's accuracy counted every 32 batches (tally.predictions_can_wait)
     checkpoint: Checkpointer | None = None
     save_every: int | None = None  # optimizer steps between saves within an epoch
     board: object = None  # the TensorBoard log (one that writes nothing when off)
@@ -591,7 +592,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         run.watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-    tally, window = Tally(run.device, run.loss, run.metrics), _Window(run.device)
+    tally, window = Tally(run.device, run.loss, run.metrics, run.hold_predictions), _Window(run.device)
     if run.checkpoint is None:
         epoch_batches, micro = batches(loader, run.device, check=run.target_check()), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
@@ -678,6 +679,7 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
     if not run.seen_outputs:
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
+    loss = loss.detach()  # once for both: each keeps it until its sums are added
     tally.add(batch, loss, outputs)
     window.add(batch, loss, loss_parts(outputs))
     run.phase = "loading data"

@@ -30,6 +30,7 @@ from ..memory.activation_checkpointing import (
 )
 from ..memory.offload import OffloadActivations
 from .async_checkpoint import BackgroundWriter
+from .tally import predictions_can_wait
 
 
 def check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir):
@@ -57,6 +58,7 @@ class ModelOptions:
         self, model: nn.Module, device: torch.device, activation_checkpointing, compile, offload_activations, fp8_config
     ):
         self.model, self.compile = model, compile
+        self.predictions_can_wait = predictions_can_wait(model, device, compile)  # before fit compiles any block
         self.writer: BackgroundWriter | None = None
         self.fp8_layers = float8.convert(model, fp8_config) if fp8_config is not None else []
         self.checkpointed = False

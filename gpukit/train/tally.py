@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import keyword
 import numbers
+import sys
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import nn
 
 from .. import distributed
-from ..step import Batch, Loss, describe_value, loss_parts, only_losses, unpack_outputs
+from ..step import Batch, Loss, class_dimension, describe_value, loss_parts, only_losses, unpack_outputs
 
 RESERVED = ("loss", "accuracy", "samples", "tokens", "correct", "scored")  # columns, and the Tally's own sums
 
@@ -77,13 +79,16 @@ class RunningSums:
 
     deferred_limit = 32  # tensors kept per name before they are added: bounds the memory they hold
 
-    def __init__(self, device: torch.device, names):
-        self.zero = torch.zeros((), device=device, dtype=torch.float64)
-        self._values = {name: self.zero.clone() for name in names}
+    def __init__(self, device: torch.device, names, before_reading: Callable[[], None] | None = None):
+        self.zero, *zeros = torch.zeros(len(names) + 1, device=device, dtype=torch.float64).unbind()  # one kernel
+        self._values = dict(zip(names, zeros))
         self.pending: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        self.before_reading = before_reading  # adds what its owner holds back (Tally's held predictions)
 
     @property
     def values(self) -> dict[str, torch.Tensor]:
+        if self.before_reading is not None:
+            self.before_reading()
         for name in list(self.pending):
             self._settle(name)
         return self._values
@@ -104,7 +109,7 @@ class RunningSums:
     def defer(self, name: str, value: torch.Tensor, times: int = 1) -> None:
         """Add `value * times` (a 0-d tensor; the product in its own dtype, as `add` of it would) later."""
         waiting = self.pending.setdefault(name, [])
-        waiting.append((value.detach(), times))
+        waiting.append((value.detach() if value.requires_grad else value, times))
         if len(waiting) >= self.deferred_limit:
             self._settle(name)
 
@@ -150,13 +155,19 @@ class Tally:
     must be given.
     """
 
-    def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable]):
+    held_bytes_limit = 4 << 20  # predictions held before their accuracy is counted, in bytes (4 MiB)
+
+    def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable], hold_predictions: bool = False):
         self.loss = loss
         self.metrics = metrics
         self.accuracy: bool | None = None
         self.samples = 0
         self.sequences = False  # whether tokens were counted (sequence data)
-        self.sums = RunningSums(device, ["correct", "scored", "tokens"])  # "loss", parts, metrics: when first seen
+        # "loss", parts, metrics: when first seen
+        self.sums = RunningSums(device, ["correct", "scored", "tokens"], before_reading=self._count_held)
+        self.hold_predictions = hold_predictions  # see predictions_can_wait
+        self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (prediction, target) of batches not yet counted
+        self.held_bytes = 0
 
     def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> None:
         """One batch: its loss, and what the model returned, as it returned it (metrics get that)."""
@@ -172,15 +183,12 @@ class Tally:
         for name, part in loss_parts(outputs).items():
             self.sums.defer(name, part, size)
         if self.accuracy:
-            prediction, _ = unpack_outputs(outputs)
-            correct, scored = self.loss.correct(prediction.detach(), batch.target)
-            self.sums.defer("correct", correct)
-            self.sums.defer("scored", scored)
+            self._hold(unpack_outputs(outputs)[0].detach(), batch.target)
         if batch.is_sequence:
             self.sequences = True
             self.sums.defer("tokens", batch.count_tokens())
-        if only_losses(outputs):
-            return  # a detector's training outputs: its losses (columns above), no prediction to measure
+        if not self.metrics or only_losses(outputs):
+            return  # (a detector's training outputs: its losses, columns above, and no prediction to measure)
         with torch.no_grad():
             for name, fn in self.metrics.items():
                 value = fn(outputs, batch.target)
@@ -189,6 +197,29 @@ class Tally:
                 values = {f"{name}_{key}": item for key, item in value.items()} if isinstance(value, Mapping) else {}
                 for column, item in (values or {name: value}).items():
                     self.sums.add(column, item * size)
+
+    def _hold(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
+        """Count a batch's correct predictions later, with the next ones': Loss.correct's ten small kernels once
+        per 32 batches (or 4 MiB of predictions) instead of once per batch, where `hold_predictions` allows."""
+        self.held.append((prediction, target))
+        self.held_bytes += prediction.untyped_storage().nbytes()  # a view keeps its whole storage alive
+        full = len(self.held) >= RunningSums.deferred_limit or self.held_bytes >= self.held_bytes_limit
+        if full or not self.hold_predictions:
+            self._count_held()
+
+    def _count_held(self) -> None:
+        """Add the held batches' correct and scored predictions to the sums: in one go where they have their
+        classes last in the same number, dtype and device ((B, C), (B, T, V): concatenated as (N, C)), else one
+        by one. Counts are integers, so the sums are the same bits either way."""
+        held, self.held, self.held_bytes = self.held, [], 0
+        kinds = {(p.shape[-1], p.dtype, p.device, class_dimension(p, t) == p.dim() - 1) for p, t in held}
+        if len(held) > 1 and len(kinds) == 1 and next(iter(kinds))[-1]:
+            predictions = torch.cat([prediction.reshape(-1, prediction.shape[-1]) for prediction, _ in held])
+            held = [(predictions, torch.cat([target.reshape(-1) for _, target in held]))]
+        for prediction, target in held:
+            correct, scored = self.loss.correct(prediction, target)
+            self.sums.defer("correct", correct)
+            self.sums.defer("scored", scored)
 
     def over_ranks(self) -> None:
         """Add up every rank's sums and samples (one all-reduce, after agreeing on the names of the sums). Whether
@@ -211,3 +242,21 @@ class Tally:
         if tokens and self.sequences:
             row[f"{prefix}tokens"] = int(values["tokens"])
         return row
+
+
+def predictions_can_wait(model: nn.Module, device: torch.device, compile=False) -> bool:
+    """Whether a batch's prediction may be held past the model's next call (its accuracy counted later, with the
+    next batches': Tally's hold_predictions). Not where a CUDA graph may replay: torch.compile's
+    mode="reduce-overhead" writes the next call's outputs over the last ones. So: on a CPU always; on a GPU with
+    fit's compile off, True, "whole" or "regional" (torch.compile's default mode), and neither a model compiled by
+    you before (fit cannot tell how) nor CUDA graphs switched on for every compile (torch._inductor.config)."""
+    if device.type == "cpu":
+        return True
+    if compile not in (False, True, "whole", "regional"):
+        return False
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    for module in model.modules() if dynamo is not None else ():
+        if isinstance(module, dynamo.OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None:
+            return False
+    inductor = sys.modules.get("torch._inductor.config")
+    return not (inductor is not None and inductor.triton.cudagraphs)

@@ -155,23 +155,43 @@ def get_precision(precision: str | Precision, device: torch.device | str) -> Pre
 
 
 def has_fast_kernels(
-    precision: str, device: torch.device | str, compute_capability: tuple[int, int] | None = None
+    precision: str,
+    device: torch.device | str,
+    compute_capability: tuple[int, int] | None = None,
+    *,
+    measured_speedup: float | None = None,
 ) -> tuple[bool, str]:
-    """Whether `device` is known to train faster (or as fast) in `precision` as in fp32, and why.
+    """Whether `device` trains in `precision` at least as fast as in fp32, and why.
 
-    Decided from what the hardware has, not from a timing, so a busy machine cannot change the answer:
-    NVIDIA tensor cores run fp16 from compute capability 7.0 (Volta) and bf16/TF32 from 8.0 (Ampere).
-    PyTorch's CPU and MPS training kernels have no fast 16-bit path that gpukit can rely on (a CPU with
-    AMX may run bf16 fast: measure it). Use it to decide whether a long run in `precision` is worth
-    starting; pass `compute_capability` for CUDA (e.g. from `gk.detect().gpus[0]`) to avoid asking CUDA.
+    On CUDA it is decided from what the hardware has: NVIDIA tensor cores run fp16 from compute capability
+    7.0 (Volta) and bf16/TF32 from 8.0 (Ampere); pass `compute_capability` (e.g. from `gk.detect().gpus[0]`)
+    to avoid asking CUDA. A CPU may or may not have 16-bit matrix units (Intel AMX runs bf16 about 1.4x fp32;
+    an AMD EPYC without them, 11-30x slower), which nothing gpukit reads tells reliably: there it is decided
+    from `measured_speedup`, fp32's step time divided by `precision`'s, timed interleaved (`gk.bench.compare`)
+    so that other load hits both alike. Without a measurement a CPU or MPS device answers False.
+    Use it to decide whether a long run in `precision` is worth starting.
     """
     device = torch.device(device)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(map(repr, PRECISIONS))}.")
+    if measured_speedup is not None and not measured_speedup > 0:
+        raise ValueError(
+            f"measured_speedup={measured_speedup!r} is not a positive number; pass fp32's step time divided by "
+            f"{precision}'s (both in seconds), or None."
+        )
     if precision == "fp32":
         return True, "fp32 is the reference"
     if device.type != "cuda":
-        return False, f"PyTorch has no fast {precision} training kernels for {device.type} that gpukit knows of"
+        if measured_speedup is None:
+            return False, (
+                f"PyTorch has no {precision} training kernels for {device.type} that are fast everywhere: "
+                "pass measured_speedup to decide from a timing"
+            )
+        verdict = "at least as fast as" if measured_speedup >= 1 else "slower than"
+        return (
+            measured_speedup >= 1,
+            f"a {precision} step measured {measured_speedup:.2f}x fp32's speed: {verdict} fp32",
+        )
     capability = compute_capability or torch.cuda.get_device_capability(device)
     needed = (7, 0) if precision == "fp16-mixed" else (8, 0)
     if tuple(capability) >= needed:

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -187,6 +189,22 @@ def test_trace_steps_draws_the_host_phases_and_exports_a_chrome_trace(device, tm
     assert (tmp_path / "trace.json").stat().st_size > 0 and trace.hidden_copy_fraction() is None
     figure = gk.data.plot_trace(trace)
     assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == ["data wait (host)", "step (host)"]
+
+
+def test_trace_steps_on_a_machine_without_cuda_writes_nothing_to_stderr():
+    # Kineto's "ERROR ... gpuGetDeviceCount failed" and its start/stop lines showed red under lesson 02's trace cell on
+    # this CPU; Kineto reads its log level once per process, so the trace runs in a fresh one.
+    script = (
+        "import torch, gpukit as gk\n"
+        "loader = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(3)]\n"
+        "model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 10))\n"
+        "trace = gk.data.trace_steps(loader, model, steps=2, device='cpu')\n"
+        "import os; assert trace.steps == 2 and 'KINETO_LOG_LEVEL' not in os.environ\n"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert "gpuGetDeviceCount" not in ran.stderr and "profiler_start" not in ran.stderr, ran.stderr
 
 
 def test_a_traces_kernel_share_is_the_kernels_union_over_the_steps_span():

@@ -81,7 +81,7 @@ def test_tf32_flags_are_restored():
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
 
 
-def test_fast_kernels_come_from_the_hardware_not_a_timing():
+def test_fast_kernels_on_cuda_come_from_the_hardware():
     from gpukit.precision import has_fast_kernels
 
     assert has_fast_kernels("fp32", "cpu")[0]
@@ -94,6 +94,42 @@ def test_fast_kernels_come_from_the_hardware_not_a_timing():
     assert "6.1" in has_fast_kernels("fp16-mixed", "cuda", (6, 1))[1]
     with pytest.raises(ValueError, match="unknown"):
         has_fast_kernels("fp8", "cpu")
+
+
+def _interleaved_speedups(step_seconds: dict[str, float]) -> dict[str, float]:
+    """fp32's step time over each precision's, timed by gk.bench.compare as lesson 01 times them, on a made-up
+    clock that each step advances by its `step_seconds`: the measurement a CPU with such kernels would make."""
+    now = [0.0]
+
+    def step_of(seconds):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    steps = {name: step_of(seconds) for name, seconds in step_seconds.items()}
+    timings = gk.bench.compare(steps, device="cpu", warmup=1, repeats=5, clock=lambda: now[0])
+    return {name: timings["fp32"].median / timing.median for name, timing in timings.items()}
+
+
+@pytest.mark.parametrize(
+    "cpu, step_seconds, trains_fully",
+    [  # seconds per step of lesson 01's tiny CNN (batch 64) as measured on the two kinds of host the lessons met
+        ("Intel Xeon with AMX-BF16", {"fp32": 0.0141, "bf16-mixed": 0.0100, "fp16-mixed": 0.0400}, {"bf16-mixed"}),
+        ("AMD EPYC without bf16 units", {"fp32": 0.0141, "bf16-mixed": 0.2800, "fp16-mixed": 0.0400}, set()),
+    ],
+)
+def test_a_cpu_decides_16_bit_training_from_its_interleaved_timing(cpu, step_seconds, trains_fully):
+    # Lesson 01 starts a full 16-bit run where the step measured at least as fast as fp32's; before, every CPU
+    # answered "no fast kernels", so an AMX host that measured bf16 1.41x fp32 never checked bf16's accuracy.
+    from gpukit.precision import has_fast_kernels
+
+    speedups = _interleaved_speedups(step_seconds)
+    decisions = {name: has_fast_kernels(name, "cpu", measured_speedup=speedups[name]) for name in speedups}
+    assert {name for name, (fast, _) in decisions.items() if fast and name != "fp32"} == trains_fully, (cpu, decisions)
+    for name in ("bf16-mixed", "fp16-mixed"):
+        assert f"{speedups[name]:.2f}x fp32's speed" in decisions[name][1]  # the reason says what was measured
+    # On CUDA the hardware decides: a launch-bound tiny step that times bf16 slower does not cancel tensor cores.
+    assert has_fast_kernels("bf16-mixed", "cuda", (9, 0), measured_speedup=0.9)[0]
+    with pytest.raises(ValueError, match="measured_speedup=0.0 is not a positive number"):
+        has_fast_kernels("bf16-mixed", "cpu", measured_speedup=0.0)
 
 
 @pytest.mark.parametrize("kind", ["cnn", "gpt"])

@@ -15,9 +15,10 @@ host→device copies.
 
 from __future__ import annotations
 
+import contextlib
 import copy as copying
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -110,7 +111,7 @@ def trace_steps(
         # The first traced batch is fetched before the trace too: its copy would be issued while the GPU idles
         # through the profiler's start-up. Each traced copy is then issued as in `fit`, right after a step's launch.
         raw = next(source, None)
-        with profile(activities=activities) as profiler:
+        with quiet_kineto_without_cuda(), profile(activities=activities) as profiler:
             done = 0
             while raw is not None and done < steps:
                 with record_function("step"):
@@ -123,6 +124,23 @@ def trace_steps(
     if chrome_trace is not None:
         profiler.export_chrome_trace(str(chrome_trace))
     return _intervals(profiler.events(), done, str(device), None if chrome_trace is None else str(chrome_trace))
+
+
+@contextlib.contextmanager
+def quiet_kineto_without_cuda() -> Iterator[None]:
+    """Silence torch.profiler's Kineto on a machine without a CUDA device, where a CUDA build of torch prints
+    "ERROR ... gpuGetDeviceCount failed with code 35" and a line per profiler start and stop to stderr: noise
+    under a lesson's cell. Kineto reads KINETO_LOG_LEVEL once, at a process's first profile, so level 6 (nothing)
+    set around that profile keeps it quiet for the process; the variable itself is put back afterwards. A level
+    the user set, and a machine with CUDA (whose messages can matter), are left alone."""
+    if torch.cuda.is_available() or "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        yield
+    finally:
+        del os.environ["KINETO_LOG_LEVEL"]
 
 
 def kernel_seconds(function: Callable[[], object], calls: int, device: torch.device) -> float | None:

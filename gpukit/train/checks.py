@@ -215,7 +215,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
             loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
             with precision.autocast():
                 value = loss.of_evaluation(outputs, batch.target)
-            Tally(device, loss, metrics).add(batch, value, outputs)
+            Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs)  # no tokens read here
         except torch.OutOfMemoryError:
             raise
         except Exception as error:

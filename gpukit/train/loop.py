@@ -54,7 +54,7 @@ from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
 from .history import History
 from .model_options import ModelOptions, check_model_options
-from .tally import RunningSums, Tally, check_metrics
+from .tally import RunningSums, Tally, check_metrics, check_shifted_labels
 from .tensorboard_log import open_log
 
 
@@ -113,6 +113,7 @@ def fit(
     seed: int | None = 0,
     monitor: bool | Monitor = False,
     save_in_background: bool = False,
+    shifted_labels: bool | None = None,
 ) -> History:
     """Train `model` on `train_data` and return the History of what was measured.
 
@@ -194,6 +195,10 @@ def fit(
         fit builds is drawn from it (one draw per call, made even by a call refused later): seed once
         (gk.seed_everything) and each call draws anew, the whole loop reproducible. Not with checkpoint_dir, whose
         resumed run must replay the order.
+    shifted_labels: for token sequences ((B, T) integer targets), whether tokens (tokens_per_second, evaluation)
+        are counted from labels[:, 1:], as a causal LM's own loss scores them when it shifts its labels inside
+        (Hugging Face's: T - 1 a sequence); None measures it at the first batch and warns where it cannot tell, as
+        gk.evaluate does. History.shifted_labels says which was counted.
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
         10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
@@ -211,6 +216,7 @@ def fit(
         float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
     check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir, optimizer=optimizer)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
+    check_shifted_labels(shifted_labels)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
     model.to(device)
@@ -242,6 +248,7 @@ def fit(
         eval_data=eval_data,
         micro_batch_size=getattr(loader, "batch_size", None),
         eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
+        shifted_labels=shifted_labels,
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
     )
     optimizer_name = optimizer if isinstance(optimizer, str) else type(built).__name__
@@ -416,6 +423,7 @@ class _Run:
     micro_batch_size: int | None = None  # samples per micro-batch: the loader's, else read from the first batch
     seen_a_batch: bool = False
     seen_outputs: bool = False  # whether the model's outputs were looked at once (warn_if_scalars_ignored)
+    shifted_labels: bool | None = None  # tokens counted from labels[:, 1:]; None until the first sequence batch
     start_epoch: int = 0
     epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
@@ -591,7 +599,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         run.watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-    tally, window = Tally(run.device, run.loss, run.metrics), _Window(run.device)
+    tally, window = Tally(run.device, run.loss, run.metrics, run.shifted_labels), _Window(run.device)
     if run.checkpoint is None:
         epoch_batches, micro = batches(loader, run.device, check=run.target_check()), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
@@ -679,7 +687,8 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
     tally.add(batch, loss, outputs)
-    window.add(batch, loss, loss_parts(outputs))
+    run.shifted_labels = tally.shifted_labels  # decided at the first sequence batch: kept for the whole run
+    window.add(batch, loss, loss_parts(outputs), run.shifted_labels)
     run.phase = "loading data"
 
 
@@ -712,8 +721,12 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
             loss_fn=run.eval_loss,
             metrics=run.metrics,
             over_ranks=True,  # each rank a share of the batches; every rank reports the whole data's figures
+            shifted_labels=run.shifted_labels,  # the training data's rule
         )
-        row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
+        counts = ("samples", "tokens", "shifted_labels")
+        row |= {f"eval_{name}": value for name, value in result.items() if name not in counts}
+    if tally.sequences:
+        run.history.shifted_labels = bool(run.shifted_labels)
     row["peak_memory"] = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
     row |= {"seconds": seconds} | energy
     run.history.epochs.append(row)
@@ -739,8 +752,9 @@ class _Window:
         self.lrs: list[float] = []  # each parameter group's lr that the window's last step trained with
         self.started = time.perf_counter()
 
-    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each)."""
+    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor], shifted_labels=False) -> None:
+        """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each);
+        its tokens counted from labels[:, 1:] with `shifted_labels` (Tally's decision)."""
         self.sums.defer("loss", loss)  # no kernel now: added when the row is read (RunningSums.defer)
         for name, part in parts.items():
             self.sums.defer(name, part)
@@ -748,7 +762,7 @@ class _Window:
         self.samples += batch.size
         if batch.is_sequence:
             self.sequences = True
-            self.sums.defer("tokens", batch.count_tokens())
+            self.sums.defer("tokens", batch.count_tokens(bool(shifted_labels)))
 
     def row(self, step: int, epoch: int, lrs: list[float]) -> dict:
         """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keyword
 import numbers
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -63,6 +64,30 @@ def _nothing_to_report(outputs) -> str:
         "metrics={'name': fn(outputs, targets)}, a number or a dict of numbers per batch (e.g. the share of "
         "images whose best box overlaps a target box)."
     )
+
+
+def check_shifted_labels(shifted_labels) -> None:
+    if shifted_labels is not None and not isinstance(shifted_labels, bool):
+        raise TypeError(
+            f"shifted_labels must be True (the loss scores labels[:, 1:], as a causal LM that shifts its labels "
+            f"does), False (the labels as given) or None (measured), got {shifted_labels!r}."
+        )
+
+
+def decide_shifted_labels(loss: Loss, batch: Batch, outputs, value: torch.Tensor | None) -> bool:
+    """Whether tokens are counted from labels[:, 1:] (what a causal LM that shifts its labels scores): measured by
+    Loss.shifts_labels. A model's own loss that it cannot tell apart is counted as given, with a warning saying
+    how to choose."""
+    shifted = loss.shifts_labels(batch, outputs, value)
+    if shifted is None:
+        warnings.warn(
+            "cannot tell which labels the model's own loss scores: it matches neither, or both, of cross-entropy of "
+            "its logits against the labels as given and shifted by one (a causal LM's, which scores T - 1 a "
+            "sequence). Tokens are counted as given (every label not -100). Pass shifted_labels=True if the model "
+            "shifts its labels inside (Hugging Face's causal LMs), shifted_labels=False if not (a token classifier).",
+            stacklevel=4,
+        )
+    return bool(shifted)
 
 
 class RunningSums:
@@ -139,6 +164,10 @@ class RunningSums:
 class Tally:
     """Loss, accuracy, metrics and tokens over a pass of the data (`fit`'s epochs, `evaluate`).
 
+    Tokens are the target's not equal to -100, or of labels[:, 1:] where the loss scores the labels shifted (a causal
+    LM's own loss, Hugging Face's: `shifted_labels`, measured at the first batch where not given; see
+    Loss.shifts_labels).
+
     The loss, each of the model's losses (a dict of scalars: gpukit.step.loss_parts) and each metric are
     averaged over samples, weighted by batch size; accuracy is correct over scored targets (token accuracy
     for sequences, targets equal to -100 not scored). Whether accuracy applies is decided at the first batch
@@ -150,12 +179,15 @@ class Tally:
     must be given.
     """
 
-    def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable]):
+    def __init__(
+        self, device: torch.device, loss: Loss, metrics: dict[str, Callable], shifted_labels: bool | None = None
+    ):
         self.loss = loss
         self.metrics = metrics
         self.accuracy: bool | None = None
         self.samples = 0
         self.sequences = False  # whether tokens were counted (sequence data)
+        self.shifted_labels = shifted_labels  # tokens from labels[:, 1:]; None: decided at the first sequence batch
         self.sums = RunningSums(device, ["correct", "scored", "tokens"])  # "loss", parts, metrics: when first seen
 
     def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> None:
@@ -178,7 +210,9 @@ class Tally:
             self.sums.defer("scored", scored)
         if batch.is_sequence:
             self.sequences = True
-            self.sums.defer("tokens", batch.count_tokens())
+            if self.shifted_labels is None:
+                self.shifted_labels = decide_shifted_labels(self.loss, batch, outputs, loss)
+            self.sums.defer("tokens", batch.count_tokens(self.shifted_labels))
         if only_losses(outputs):
             return  # a detector's training outputs: its losses (columns above), no prediction to measure
         with torch.no_grad():

@@ -306,9 +306,14 @@ def test_a_loss_that_scores_neither_way_counts_labels_as_given_and_says_how_to_c
             return output
 
     batch = padded_token_batch()
-    with pytest.warns(UserWarning, match="shifted_labels=True"):
+    with pytest.warns(UserWarning, match="shifted_labels=True") as caught:
         result = gk.evaluate(SmoothedLM(), [batch], device=device)
     assert result["tokens"] == int((batch["labels"] != -100).sum()) and result["shifted_labels"] is False
+    with pytest.warns(UserWarning, match="shifted_labels=True") as caught_in_fit:
+        history = gk.fit(SmoothedLM(), [batch] * 2, eval_data=[batch], epochs=2, progress=False, device=device)
+    assert history.shifted_labels is False
+    said = [w for w in [*caught, *caught_in_fit] if "shifted_labels" in str(w.message)]
+    assert [w.filename for w in said] == [__file__] * 2  # once per call, at the caller's line (decided once per fit)
     result = gk.evaluate(SmoothedLM(), [batch], device=device, shifted_labels=True)
     assert result["tokens"] == int((batch["labels"][:, 1:] != -100).sum())
 

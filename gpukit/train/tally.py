@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import keyword
 import numbers
+import sys
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -85,9 +87,19 @@ def decide_shifted_labels(loss: Loss, batch: Batch, outputs, value: torch.Tensor
             "its logits against the labels as given and shifted by one (a causal LM's, which scores T - 1 a "
             "sequence). Tokens are counted as given (every label not -100). Pass shifted_labels=True if the model "
             "shifts its labels inside (Hugging Face's causal LMs), shifted_labels=False if not (a token classifier).",
-            stacklevel=4,
+            stacklevel=_callers_level(),
         )
     return bool(shifted)
+
+
+def _callers_level() -> int:
+    """warnings.warn's stacklevel, from the function that warns, of the first frame outside gpukit and torch: the
+    line of yours that called evaluate or fit, however deep (torch.no_grad's wrapper, fit's parts) it was reached."""
+    inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class RunningSums:

@@ -204,7 +204,7 @@ def fit(
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     """
-    _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
+    _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels)
     check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir)
     order_seed = _order_seed(seed)
     warmup = _warmup(warmup, warmup_steps)
@@ -216,12 +216,9 @@ def fit(
         float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
     check_arguments(model, seed=seed, checkpoint_dir=checkpoint_dir, optimizer=optimizer)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
-    check_shifted_labels(shifted_labels)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
-    model.to(device)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)  # 4-D weights
     check_eval_data(model, eval_data, epochs=epochs, device=device, precision=precision, channels_last=channels_last,
                     loss_fn=loss_fn, metrics=metrics)  # fmt: skip
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
@@ -293,8 +290,9 @@ def _settings(lr, optimizer, schedule, warmup, clip, precision, label_smoothing,
     return settings
 
 
-def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:
+def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels) -> None:
     check_int("epochs", epochs, minimum=0)
+    check_shifted_labels(shifted_labels)
     check_int("accumulate", accumulate, note="(micro-batches per optimizer step)")
     if clip is not None:
         check_number("clip", clip, note="(a bound on the gradients' global norm) or None")

@@ -124,7 +124,9 @@ class Batch:
     size: int
     target_to_model: bool = False
     moves_itself: bool = False
-    _scored_tokens: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _scored_tokens: tuple[bool, torch.Tensor] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def call(self, model: Callable):
         if self.target_to_model:
@@ -189,12 +191,17 @@ class Batch:
         """What one example is: "image", "sequence" or "sample"."""
         return "image" if self.is_images else "sequence" if self.is_sequence else "sample"
 
-    def count_tokens(self) -> torch.Tensor | None:
-        """Scored target tokens (not IGNORE_INDEX), as a 0-d tensor on the device; None if not a sequence. Counted
-        once per batch: fit's epoch and its log window both ask (two kernels)."""
-        if self._scored_tokens is None and self.is_sequence:
-            self._scored_tokens = (self.target != IGNORE_INDEX).sum()
-        return self._scored_tokens
+    def count_tokens(self, shifted_labels: bool = False) -> torch.Tensor | None:
+        """Scored target tokens (not IGNORE_INDEX), as a 0-d tensor on the device; None if not a sequence.
+        `shifted_labels`: the loss scores labels[:, 1:] (a causal LM that shifts its labels inside, as Hugging
+        Face's do: T - 1 tokens a sequence), so the first position's label is not counted. Counted once per batch:
+        fit's epoch and its log window both ask (two kernels)."""
+        if not self.is_sequence:
+            return None
+        if self._scored_tokens is None or self._scored_tokens[0] != shifted_labels:
+            target = self.target[:, 1:] if shifted_labels else self.target
+            self._scored_tokens = (shifted_labels, (target != IGNORE_INDEX).sum())
+        return self._scored_tokens[1]
 
 
 def _attributes(value) -> dict:
@@ -711,6 +718,33 @@ class Loss:
             return True  # the kit's cross-entropy (or PyTorch's) scores it, and has checked the targets
         classes = prediction.shape[dimension]
         return bool(((target == self.ignore_index) | ((target >= 0) & (target < classes))).all())
+
+    def shifts_labels(self, batch: Batch, outputs, loss: torch.Tensor | None) -> bool | None:
+        """Whether `loss` (this batch's) scores the target shifted: labels[:, 1:] against the predictions at positions
+        0..T-2, as a Hugging Face causal LM's own loss does. False for data that is no token sequence, and for a
+        built-in loss (it scores the target as given). A model's own loss, or your loss_fn, is measured: compared
+        with cross-entropy of the prediction (B, T, V) against the target as given and shifted (one synchronisation
+        or two, once). Where it matches neither or both: None for the model's own loss (it cannot tell), False for
+        your loss_fn (the target as given, the count documented for it)."""
+        prediction, model_loss = unpack_outputs(outputs)
+        own = self.uses_model_loss(model_loss)
+        if not batch.is_sequence or loss is None or not (own or self.takes_outputs):
+            return False
+        target, unknown = batch.target, None if own else False
+        if prediction is None or prediction.dim() != 3 or prediction.shape[:2] != target.shape or target.shape[1] < 2:
+            return unknown
+        classes, ignored = prediction.shape[-1], target == self.ignore_index
+        if not bool((ignored | ((target >= 0) & (target < classes))).all()):  # an index out of range would assert
+            return unknown
+        with torch.no_grad():
+            logits, target = prediction.detach().float(), as_class_indices(target)
+            ignore = self.ignore_index
+            as_given = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=ignore)
+            shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten(), ignore_index=ignore)
+            value, as_given, shifted = torch.stack([loss.detach().float(), as_given, shifted]).tolist()
+        tolerance = 1e-4 * max(1.0, abs(value))  # the same cross-entropy of the same logits: rounding apart
+        matches_given, matches_shifted = abs(as_given - value) <= tolerance, abs(shifted - value) <= tolerance
+        return unknown if matches_given == matches_shifted else matches_shifted
 
     def correct(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(correct, scored) predictions as 0-d tensors on the device: nothing waits for the GPU.

@@ -5,6 +5,7 @@ import copy
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +18,7 @@ from torch.utils.data import TensorDataset
 import gpukit as gk
 from gpukit.data import DeviceLoader, ImageDataset, TextLoader, shapes
 from gpukit.env import PROFILES
-from tests.helpers import CausalLM, small_mlp, tiny_gpt
+from tests.helpers import CausalLM, small_mlp, tiny_gpt, tokens
 
 matplotlib.use("Agg")  # figures are drawn, never shown
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -257,6 +258,76 @@ def test_dict_batches_use_the_models_own_loss(corpus, device):
     with torch.no_grad():  # the logged loss is the model's own loss
         own = model(**batches[0]).loss.item()
     assert math.isclose(gk.evaluate(model, batches[:1], device=device)["loss"], own, rel_tol=1e-5)
+
+
+def padded_token_batch(seed: int = 1) -> dict:
+    """A Hugging Face-style batch of 8 sequences of 22 tokens, two of them padded (labels -100) after 15."""
+    ids = tokens(8, 22, seed=seed)
+    labels = ids.clone()
+    labels[:2, 15:] = -100
+    return {"input_ids": ids, "attention_mask": (labels != -100).long(), "labels": labels}
+
+
+def test_tokens_are_those_a_shifting_causal_lms_loss_scores(device):
+    """A causal LM that shifts its labels inside (Hugging Face's) scores labels[:, 1:]: 154 of the 162 labels not
+    -100 here. evaluate's tokens and fit's tokens/s count those, and say so; a model that scores the labels as
+    given (shift=False) keeps the count of every label not -100."""
+    batch = padded_token_batch()
+    labels = batch["labels"]
+    by_hand = {True: int((labels[:, 1:] != -100).sum()), False: int((labels != -100).sum())}
+    assert by_hand == {True: 154, False: 162}
+    for shift in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # measured, not guessed: nothing to warn about
+            result = gk.evaluate(CausalLM(shift=shift), [batch], device=device)
+        assert result["tokens"] == by_hand[shift] and result["shifted_labels"] is shift
+        model = CausalLM(shift=shift)
+        with torch.no_grad():  # the loss evaluate reports is the model's own, over the same labels
+            assert math.isclose(result["loss"], model(**batch).loss.item(), rel_tol=1e-6)
+        history = gk.fit(model, [batch] * 2, eval_data=[batch], log_every=1, progress=False, device=device)
+        assert history.shifted_labels is shift and "eval_shifted_labels" not in history.epochs[-1]
+        for row in history.steps:  # one batch a step: tokens per sample is its scored tokens over its 8 sequences
+            assert math.isclose(row["tokens_per_second"] / row["samples_per_second"], by_hand[shift] / 8, rel_tol=1e-9)
+    told = gk.evaluate(CausalLM(shift=True), [batch], device=device, shifted_labels=False)  # said, not measured
+    assert told["tokens"] == by_hand[False] and told["shifted_labels"] is False
+    with pytest.raises(TypeError, match="shifted_labels must be True"):
+        gk.evaluate(CausalLM(), [batch], device=device, shifted_labels="yes")
+
+
+def test_a_loss_that_scores_neither_way_counts_labels_as_given_and_says_how_to_choose(device):
+    """A model's own loss with label smoothing matches cross-entropy of its logits neither against the labels as
+    given nor shifted: the count stays every label not -100, with a warning naming shifted_labels."""
+
+    class SmoothedLM(CausalLM):
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            output = super().forward(input_ids, attention_mask)
+            scores = output.logits[:, :-1].reshape(-1, output.logits.shape[-1])
+            output["loss"] = F.cross_entropy(scores, labels[:, 1:].reshape(-1), label_smoothing=0.1)
+            return output
+
+    batch = padded_token_batch()
+    with pytest.warns(UserWarning, match="shifted_labels=True") as caught:
+        result = gk.evaluate(SmoothedLM(), [batch], device=device)
+    assert result["tokens"] == int((batch["labels"] != -100).sum()) and result["shifted_labels"] is False
+    with pytest.warns(UserWarning, match="shifted_labels=True") as caught_in_fit:
+        history = gk.fit(SmoothedLM(), [batch] * 2, eval_data=[batch], epochs=2, progress=False, device=device)
+    assert history.shifted_labels is False
+    said = [w for w in [*caught, *caught_in_fit] if "shifted_labels" in str(w.message)]
+    assert [w.filename for w in said] == [__file__] * 2  # once per call, at the caller's line (decided once per fit)
+    result = gk.evaluate(SmoothedLM(), [batch], device=device, shifted_labels=True)
+    assert result["tokens"] == int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_your_loss_fn_that_shifts_the_labels_is_measured_too(device):
+    """A loss_fn of yours that scores labels[:, 1:] (what a causal LM's Trainer loss does) counts those tokens."""
+
+    def shifted_loss(outputs, labels):
+        logits = outputs.logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    batch = padded_token_batch()
+    result = gk.evaluate(CausalLM(shift=False), [batch], loss_fn=shifted_loss, device=device)
+    assert result["tokens"] == int((batch["labels"][:, 1:] != -100).sum()) and result["shifted_labels"] is True
 
 
 def test_an_explicit_loss_fn_wins_over_the_models_loss(corpus, device):

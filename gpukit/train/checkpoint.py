@@ -37,6 +37,7 @@ from .. import distributed
 from ..files import lock_folder, remove_stale_temporaries, write_atomic
 from .checks import NonFiniteLossError
 from .data import batches
+from .tally import callers_stacklevel
 
 FORMAT = 2  # 1: gpukit's earlier files (torch.save's bytes alone: no checksum, data order or generators)
 # Keys a schedule writes into the optimizer's groups: the rest (weight_decay, momentum, betas, ...) shape the run.
@@ -273,7 +274,7 @@ def warn_if_order_cannot_be_saved(loader) -> None:
             "among its attributes, which is exact only if it draws from nothing else. For an exact resume pass the "
             "Dataset and batch_size, or a DataLoader with a torch.utils.data sampler (generator=torch.Generator()) "
             "and persistent_workers=False.",
-            stacklevel=4,
+            stacklevel=callers_stacklevel(),  # the line of yours that called fit
         )
 
 
@@ -549,7 +550,7 @@ class Checkpointer:
             f"checkpoint_dir: going on from the finished run in {self.path} (optimizer step {step}) to step "
             f"{total or 'no end'}: the weights and the optimizer's state carry on, and a new {settings['schedule']!r} "
             f"schedule (peak lr {settings['lr']:g}, warmup {settings['warmup']:g}) spans the added steps.",
-            stacklevel=5,
+            stacklevel=callers_stacklevel(),  # the line of yours that called fit
         )
 
     def start_epoch(self, run, tally, window) -> tuple:

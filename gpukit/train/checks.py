@@ -52,7 +52,7 @@ from ..step import (
     unpack_outputs,
 )
 from .data import as_loader, batch_on_device
-from .tally import Tally
+from .tally import Tally, callers_stacklevel
 
 EVAL_CHECK_EXAMPLES = 2  # examples of a Dataset's first batch that check_eval_data runs through the model
 
@@ -215,7 +215,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
             loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
             with precision.autocast():
                 value = loss.of_evaluation(outputs, batch.target)
-            Tally(device, loss, metrics).add(batch, value, outputs)
+            Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs)  # no tokens read here
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -473,7 +473,7 @@ def warn_if_scalars_ignored(loss: Loss, outputs) -> None:
         f"{loss.name} of the prediction {predicted} alone. To train on {' + '.join(scalars)} too, pass "
         f"loss_fn=lambda outputs, target: {function}({predicted}, target) + {' + '.join(scalars)} (your loss_fn gets "
         "the outputs whole); if they are no losses, ignore this warning.",
-        stacklevel=7,  # fit's caller: here ← _micro_step ← _train_on ← _train_epoch ← _train ← fit ← caller
+        stacklevel=callers_stacklevel(),  # the line that called fit, however deep in fit this is
     )
 
 

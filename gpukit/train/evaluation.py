@@ -13,7 +13,7 @@ from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Batch, BatchError, Loss, split_batch, training_mode
 from .data import as_loader, batch_on_device
-from .tally import Tally, check_metrics, predictions_can_wait
+from .tally import Tally, check_metrics, check_shifted_labels, predictions_can_wait
 
 
 @torch.no_grad()
@@ -28,13 +28,21 @@ def evaluate(
     loss_fn: str | Callable | Loss | None = None,
     metrics: dict[str, Callable] | None = None,
     over_ranks: bool = False,
+    shifted_labels: bool | None = None,
 ) -> dict:
     """Mean loss, accuracy (where it means something, see gpukit.step) and `metrics` of `model` on
     `data` (a Dataset, a loader or a re-iterable of batches of any form), in eval mode, on `device`
     (default: where the model's parameters or buffers are; a model with neither runs on the best device here).
 
-    Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and "tokens"
-    for sequence data}. The loss and metrics are means over samples; accuracy is over scored targets.
+    Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and for sequence data
+    "tokens" and "shifted_labels"}. The loss and metrics are means over samples; accuracy is over scored targets.
+    Tokens are those the loss scores: target entries not equal to -100, counted from labels[:, 1:] where the loss
+    scores the labels shifted by one, as a causal LM's own loss does (Hugging Face's model(input_ids,
+    labels=labels) shifts inside: T - 1 tokens a sequence, 156 where the labels hold 176). shifted_labels=None
+    measures which at the first batch: the model's own loss (or your loss_fn) is compared with cross-entropy of
+    its logits against the labels as given and shifted; where it cannot tell (neither or both match) it counts
+    them as given and warns. The built-in losses score the target as given. The result's "shifted_labels" says
+    which was counted; pass shifted_labels=True or False to say it yourself.
     A model that returns a dict of losses gets one entry per loss too ("loss_classifier", …).
     A batch whose integer targets all equal the loss's ignore_index (-100: padding only) scores nothing: it is
     left out (no loss, no token, no sample), where its mean loss would be 0/0 = NaN; if every batch is, it is an error.
@@ -60,13 +68,14 @@ def evaluate(
     precision = get_precision(precision, device)
     loss = loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
     metrics = check_metrics(metrics)
+    check_shifted_labels(shifted_labels)
     if isinstance(data, torch.utils.data.Dataset) is False:
         batch_size = None  # a loader or an iterable brings its own batches
     loader = as_loader(data, batch_size, device, shuffle=False, channels_last=channels_last, shard=False)
     split = over_ranks and distributed.world_size() > 1 and not distributed.is_sharded(model)
     if split:  # this rank's share of the batches: every world_size-th, none left out, none counted twice
         loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
-    tally, unscored = Tally(device, loss, metrics, predictions_can_wait(model, device)), 0
+    tally, unscored = Tally(device, loss, metrics, predictions_can_wait(model, device), shifted_labels), 0
     with training_mode(model, False):
         for number, raw in enumerate(loader, 1):
             batch = split_batch(raw)
@@ -91,7 +100,8 @@ def evaluate(
         )
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
-    return tally.read(tokens=True) | {"samples": tally.samples}
+    counted = {"shifted_labels": bool(tally.shifted_labels)} if tally.sequences else {}
+    return tally.read(tokens=True) | {"samples": tally.samples} | counted
 
 
 def _scores_nothing(batch: Batch, ignore_index: int) -> bool:

@@ -42,6 +42,9 @@ class History:
     global_batch_size: samples per optimizer step, all ranks together: micro_batch_size × accumulate ×
             ranks (`batch_size` before: deprecated, it read as the micro-batch but held this).
     sample_name: what one sample is ("image", "sequence" or "sample"), read from the first batch.
+    shifted_labels: for token sequences, whether tokens were counted from labels[:, 1:] (True: the loss scores the
+            labels shifted by one, as a causal LM's own loss does, T - 1 a sequence) or as given (False); None for
+            other data. Measured at the first batch unless fit(shifted_labels=…) said it.
     environment: what the run ran on, recorded by fit: device_name, profile, python, torch, cuda,
             gpukit and git_commit (None outside a git checkout).
 
@@ -55,6 +58,7 @@ class History:
     micro_batch_size: int = 0  # samples per forward and backward on one rank
     global_batch_size: int = 0  # samples per optimizer step: micro_batch_size × accumulate × ranks
     sample_name: str = "sample"
+    shifted_labels: bool | None = None  # token sequences: tokens counted from labels[:, 1:] (a causal LM's own loss)
     skipped_steps: int = 0  # fp16 steps skipped by the loss scaler
     seconds: float = 0.0  # wall time of the whole fit, evaluation included
     environment: dict = field(default_factory=dict)

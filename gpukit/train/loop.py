@@ -54,7 +54,7 @@ from .data import as_loader, batch_on_device, batches, length
 from .evaluation import evaluate
 from .history import History
 from .model_options import ModelOptions, check_model_options
-from .tally import RunningSums, Tally, check_metrics
+from .tally import RunningSums, Tally, callers_stacklevel, check_metrics, check_shifted_labels
 from .tensorboard_log import open_log
 
 
@@ -113,6 +113,7 @@ def fit(
     seed: int | None = 0,
     monitor: bool | Monitor = False,
     save_in_background: bool = False,
+    shifted_labels: bool | None = None,
 ) -> History:
     """Train `model` on `train_data` and return the History of what was measured.
 
@@ -194,12 +195,16 @@ def fit(
         fit builds is drawn from it (one draw per call, made even by a call refused later): seed once
         (gk.seed_everything) and each call draws anew, the whole loop reproducible. Not with checkpoint_dir, whose
         resumed run must replay the order.
+    shifted_labels: for token sequences ((B, T) integer targets), whether tokens (tokens_per_second, evaluation)
+        are counted from labels[:, 1:], as a causal LM's own loss scores them when it shifts its labels inside
+        (Hugging Face's: T - 1 a sequence); None measures it at the first batch and warns where it cannot tell, as
+        gk.evaluate does. History.shifted_labels says which was counted.
     monitor: True (or a gk.hardware.Monitor, e.g. with your grid intensity) samples the GPU at
         10 Hz and adds to each epoch energy_j, joules_per_sample, co2_grams, mean_power_w,
         mean_utilization and throttle_reasons (on a CPU: RAPL energy where readable); the samples
         are History.monitor. Where nothing can be measured it says so in one line and adds nothing.
     """
-    _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps)
+    _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels)
     check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir)
     order_seed = _order_seed(seed)
     warmup = _warmup(warmup, warmup_steps)
@@ -213,9 +218,7 @@ def fit(
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
-    model.to(device)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)  # 4-D weights
     check_eval_data(model, eval_data, epochs=epochs, device=device, precision=precision, channels_last=channels_last,
                     loss_fn=loss_fn, metrics=metrics)  # fmt: skip
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
@@ -243,6 +246,7 @@ def fit(
         micro_batch_size=getattr(loader, "batch_size", None),
         eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
         hold_predictions=options.predictions_can_wait,
+        shifted_labels=shifted_labels,
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
     )
     settings = _settings(run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config)
@@ -286,8 +290,9 @@ def _settings(run: _Run, optimizer, schedule, warmup, clip, label_smoothing, see
     return settings
 
 
-def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps) -> None:
+def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels) -> None:
     check_int("epochs", epochs, minimum=0)
+    check_shifted_labels(shifted_labels)
     check_int("accumulate", accumulate, note="(micro-batches per optimizer step)")
     if clip is not None:
         check_number("clip", clip, note="(a bound on the gradients' global norm) or None")
@@ -311,7 +316,7 @@ def _warmup(warmup, warmup_steps) -> float:
             f"warmup={warmup!r} as a number of steps is deprecated: pass warmup_steps={int(warmup)} "
             "(warmup is the fraction of the steps, below 1).",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=callers_stacklevel(),  # the line of yours that called fit
         )
     return warmup
 
@@ -382,7 +387,7 @@ def _optimizer(model: nn.Module, optimizer, lr, weight_decay) -> tuple[torch.opt
             f"optimizer: its lr ({', '.join(f'{value:g}' for value in left)}) is where an earlier schedule left it; "
             f"this fit's schedule peaks at the lr it began with ({built.param_groups[0]['lr']:g}) again. Pass lr= to "
             "choose another.",
-            stacklevel=3,
+            stacklevel=callers_stacklevel(),  # the line of yours that called fit
         )
     return built, built.param_groups[0]["lr"]
 
@@ -417,6 +422,7 @@ class _Run:
     micro_batch_size: int | None = None  # samples per micro-batch: the loader's, else read from the first batch
     seen_a_batch: bool = False
     seen_outputs: bool = False  # whether the model's outputs were looked at once (warn_if_scalars_ignored)
+    shifted_labels: bool | None = None  # tokens counted from labels[:, 1:]; None until the first sequence batch
     start_epoch: int = 0
     epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
@@ -592,7 +598,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
         run.watcher.lap()  # the epoch's segment starts here: the previous evaluation is not in it
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-    tally, window = Tally(run.device, run.loss, run.metrics, run.hold_predictions), _Window(run.device)
+    tally = Tally(run.device, run.loss, run.metrics, run.hold_predictions, run.shifted_labels)
+    window = _Window(run.device)
     if run.checkpoint is None:
         epoch_batches, micro = batches(loader, run.device, check=run.target_check()), 0
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
@@ -664,7 +671,7 @@ def _first_batch(run: _Run, batch: Batch) -> None:
         warnings.warn(
             "channels_last=True applies to 4-D image batches; these inputs have none, so "
             "only the model's 4-D weights were converted.",
-            stacklevel=6,  # fit's caller: here ← _first_batch ← _train_on ← _train_epoch ← _train ← fit ← caller
+            stacklevel=callers_stacklevel(),  # the line that called fit
         )
 
 
@@ -681,7 +688,8 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
         warn_if_scalars_ignored(run.loss, outputs)
     loss = loss.detach()  # once for both: each keeps it until its sums are added
     tally.add(batch, loss, outputs)
-    window.add(batch, loss, loss_parts(outputs))
+    run.shifted_labels = tally.shifted_labels  # decided at the first sequence batch: kept for the whole run
+    window.add(batch, loss, loss_parts(outputs), run.shifted_labels)
     run.phase = "loading data"
 
 
@@ -714,8 +722,12 @@ def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
             loss_fn=run.eval_loss,
             metrics=run.metrics,
             over_ranks=True,  # each rank a share of the batches; every rank reports the whole data's figures
+            shifted_labels=run.shifted_labels,  # the training data's rule
         )
-        row |= {f"eval_{name}": value for name, value in result.items() if name not in ("samples", "tokens")}
+        counts = ("samples", "tokens", "shifted_labels")
+        row |= {f"eval_{name}": value for name, value in result.items() if name not in counts}
+    if tally.sequences:
+        run.history.shifted_labels = bool(run.shifted_labels)
     row["peak_memory"] = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
     row |= {"seconds": seconds} | energy
     run.history.epochs.append(row)
@@ -741,8 +753,9 @@ class _Window:
         self.lrs: list[float] = []  # each parameter group's lr that the window's last step trained with
         self.started = time.perf_counter()
 
-    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each)."""
+    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor], shifted_labels=False) -> None:
+        """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each);
+        its tokens counted from labels[:, 1:] with `shifted_labels` (Tally's decision)."""
         self.sums.defer("loss", loss)  # no kernel now: added when the row is read (RunningSums.defer)
         for name, part in parts.items():
             self.sums.defer(name, part)
@@ -750,7 +763,7 @@ class _Window:
         self.samples += batch.size
         if batch.is_sequence:
             self.sequences = True
-            self.sums.defer("tokens", batch.count_tokens())
+            self.sums.defer("tokens", batch.count_tokens(bool(shifted_labels)))
 
     def row(self, step: int, epoch: int, lrs: list[float]) -> dict:
         """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""

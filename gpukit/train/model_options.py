@@ -30,7 +30,7 @@ from ..memory.activation_checkpointing import (
 )
 from ..memory.offload import OffloadActivations
 from .async_checkpoint import BackgroundWriter
-from .tally import predictions_can_wait
+from .tally import callers_stacklevel, predictions_can_wait
 
 
 def check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir):
@@ -76,7 +76,7 @@ class ModelOptions:
             warnings.warn(
                 f"offload_activations=True moves saved activations from a GPU to host memory; on {device.type} they "
                 "are in host memory already, so nothing is offloaded.",
-                stacklevel=3,
+                stacklevel=callers_stacklevel(),  # the line of yours that called fit
             )
 
     def forward(self, parallel: nn.Module):

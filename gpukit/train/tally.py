@@ -5,7 +5,9 @@ from __future__ import annotations
 import keyword
 import numbers
 import sys
+import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,6 +67,40 @@ def _nothing_to_report(outputs) -> str:
         "metrics={'name': fn(outputs, targets)}, a number or a dict of numbers per batch (e.g. the share of "
         "images whose best box overlaps a target box)."
     )
+
+
+def check_shifted_labels(shifted_labels) -> None:
+    if shifted_labels is not None and not isinstance(shifted_labels, bool):
+        raise TypeError(
+            f"shifted_labels must be True (the loss scores labels[:, 1:], as a causal LM that shifts its labels "
+            f"does), False (the labels as given) or None (measured), got {shifted_labels!r}."
+        )
+
+
+def decide_shifted_labels(loss: Loss, batch: Batch, outputs, value: torch.Tensor | None) -> bool:
+    """Whether tokens are counted from labels[:, 1:] (what a causal LM that shifts its labels scores): measured by
+    Loss.shifts_labels. A model's own loss that it cannot tell apart is counted as given, with a warning saying
+    how to choose."""
+    shifted = loss.shifts_labels(batch, outputs, value)
+    if shifted is None:
+        warnings.warn(
+            "cannot tell which labels the model's own loss scores: it matches neither, or both, of cross-entropy of "
+            "its logits against the labels as given and shifted by one (a causal LM's, which scores T - 1 a "
+            "sequence). Tokens are counted as given (every label not -100). Pass shifted_labels=True if the model "
+            "shifts its labels inside (Hugging Face's causal LMs), shifted_labels=False if not (a token classifier).",
+            stacklevel=callers_stacklevel(),
+        )
+    return bool(shifted)
+
+
+def callers_stacklevel() -> int:
+    """warnings.warn's stacklevel, from the function that warns, of the first frame outside gpukit and torch: the
+    line of yours that called evaluate or fit, however deep (torch.no_grad's wrapper, fit's parts) it was reached."""
+    inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class RunningSums:
@@ -144,6 +180,10 @@ class RunningSums:
 class Tally:
     """Loss, accuracy, metrics and tokens over a pass of the data (`fit`'s epochs, `evaluate`).
 
+    Tokens are the target's not equal to -100, or of labels[:, 1:] where the loss scores the labels shifted (a causal
+    LM's own loss, Hugging Face's: `shifted_labels`, measured at the first batch where not given; see
+    Loss.shifts_labels).
+
     The loss, each of the model's losses (a dict of scalars: gpukit.step.loss_parts) and each metric are
     averaged over samples, weighted by batch size; accuracy is correct over scored targets (token accuracy
     for sequences, targets equal to -100 not scored). Whether accuracy applies is decided at the first batch
@@ -157,7 +197,14 @@ class Tally:
 
     held_bytes_limit = 4 << 20  # predictions held before their accuracy is counted, in bytes (4 MiB)
 
-    def __init__(self, device: torch.device, loss: Loss, metrics: dict[str, Callable], hold_predictions: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        loss: Loss,
+        metrics: dict[str, Callable],
+        hold_predictions: bool = False,
+        shifted_labels: bool | None = None,
+    ):
         self.loss = loss
         self.metrics = metrics
         self.accuracy: bool | None = None
@@ -168,6 +215,7 @@ class Tally:
         self.hold_predictions = hold_predictions  # see predictions_can_wait
         self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (prediction, target) of batches not yet counted
         self.held_bytes = 0
+        self.shifted_labels = shifted_labels  # tokens from labels[:, 1:]; None: decided at the first sequence batch
 
     def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> None:
         """One batch: its loss, and what the model returned, as it returned it (metrics get that)."""
@@ -186,7 +234,9 @@ class Tally:
             self._hold(unpack_outputs(outputs)[0].detach(), batch.target)
         if batch.is_sequence:
             self.sequences = True
-            self.sums.defer("tokens", batch.count_tokens())
+            if self.shifted_labels is None:
+                self.shifted_labels = decide_shifted_labels(self.loss, batch, outputs, loss)
+            self.sums.defer("tokens", batch.count_tokens(self.shifted_labels))
         if not self.metrics or only_losses(outputs):
             return  # (a detector's training outputs: its losses, columns above, and no prediction to measure)
         with torch.no_grad():

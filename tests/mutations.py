@@ -199,6 +199,16 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {
     # bound): it kills a 2x row where that part is over ~(1 + bound) / 2 of the step, e.g. 62% at a 25% bound, not
     # on a launch-bound small step (not run on a GPU yet).
     ("07", "plan_step_time_x2", "cpu"): "lesson 07's plan has no row for a CPU: a row is checked on a GPU (cell 15)",
+    # On a CPU, gk.hardware.plan reads this machine's peak from gk.bench.matmul_tflops: 2x halves the MFU and so
+    # doubles every GPU row's compute roof, as plan_step_time_x2 does, and as there no row is for the CPU. On a GPU of
+    # the table plan takes the datasheet's peak and never calls it (not applicable there).
+    ("07", "matmul_tflops_x2", "cpu"): "only the GPU rows move, and none is for a CPU; a GPU uses the datasheet peak",
+    # plan measures the MFU as FLOPs per example / seconds per example / peak and predicts each GPU's compute roof as
+    # FLOPs / (peak x MFU): the FLOPs cancel, so 2x FLOPs doubles only the MFU the lesson prints, on any machine. The
+    # FLOP count itself is checked by lesson 00 (the FLOP counter against a formula per convolution).
+    **{
+        ("07", "flops_per_step_x2", kind): "the FLOPs cancel in every row: only the printed MFU moves" for kind in KINDS
+    },
 }
 
 

@@ -209,6 +209,24 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {
     **{
         ("07", "flops_per_step_x2", kind): "the FLOPs cancel in every row: only the printed MFU moves" for kind in KINDS
     },
+    # plan's first contender is the step at an eighth of the batch. Its line predicts the full batch as
+    # 1.4 t(3/4) - 0.4 t(1/8) (calibration_sizes), so doubling t(1/8) lowers the prediction by 0.4 t(1/8) / t(1): on
+    # a CPU, where a step's time grows with its batch, a few percent, inside cell 15's 25% bound. On a GPU cell 15
+    # kills it where t(1/8) is over ~63% of t(1) (a launch-bound step, as small models' are there); not run on a GPU.
+    ("07", "compare_first_x2", "cpu"): "the small calibration batch weighs -0.4x in the line: a few % on a CPU",
+    # A timer 2x slow everywhere: on a CPU plan's line and the step it predicts are both timed by it (cell 15's
+    # error is a ratio), and so are the steps and the peak of the MFU (a ratio too); nothing else is checked there.
+    # On a GPU with NVML cell 22 kills it: the monitor's samples per block (a 10 Hz thread, the wall clock) against
+    # the block's gk.bench time / 0.1 s fall to half, under the 0.8 the check asks (not run on a GPU yet).
+    **{
+        ("07", mutant, "cpu"): "on a CPU lesson 07 reads gk.bench's times only as ratios; a GPU's cell 22 kills it"
+        for mutant in ("timeit_x2", "timing_median_x2")
+    },
+    # plan times its three batch sizes interleaved (compare: 1/8, 3/4, all, 1/8, ...) after one timeit of the peak,
+    # so every second call falls on each of the three in turn: their medians move alike, and so do the line's
+    # prediction and the measured step. On a GPU, cell 22 (monitor on / off, 4 contenders) kills it only if the
+    # doubled calls are the monitored blocks': not claimed.
+    ("07", "timeit_second_x2", "cpu"): "every second call falls on each calibration step alike: the line moves whole",
 }
 
 

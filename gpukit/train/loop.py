@@ -218,7 +218,7 @@ def fit(
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
-    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)  # 4-D weights
+    _move_model(model, device, channels_last)
     check_eval_data(model, eval_data, epochs=epochs, device=device, precision=precision, channels_last=channels_last,
                     loss_fn=loss_fn, metrics=metrics)  # fmt: skip
     built, peak_lr = _optimizer(model, optimizer, lr, weight_decay)
@@ -263,6 +263,14 @@ def fit(
         return _train(run, epochs)
     finally:
         run.finish(options)  # the last save on disk, the folder let go; the model without compiled blocks
+
+
+def _move_model(model: nn.Module, device: torch.device, channels_last: bool) -> None:
+    """The model onto `device`, its 4-D weights channels_last if asked. Two calls: `to` with a memory format (even
+    preserve_format) reads every parameter's dim(), which a lazy module's uninitialised parameters refuse."""
+    model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
 
 
 def _order_seed(seed: int | None) -> int:

@@ -15,17 +15,20 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .env import resolve_device, synchronize
 from .hardware.gpus import find_gpu
 from .precision import PRECISIONS, matmul_format
 from .step import Loss, forward_backward, split_batch, to_device
+
+if TYPE_CHECKING:
+    from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
     "Timing",
@@ -285,6 +288,10 @@ _ATTENTION_FLOPS = {
 
 
 def _flop_counter() -> FlopCounterMode:
+    # Imported here, not at the top: torch's FLOP counter imports Triton where it is installed,
+    # about half a second that `import gpukit` would otherwise add for every learner.
+    from torch.utils.flop_counter import FlopCounterMode
+
     return FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS)
 
 

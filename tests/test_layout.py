@@ -164,6 +164,22 @@ def test_importing_gpukit_leaves_torchvision_for_first_use():
     assert loaded.strip() == "[]", loaded
 
 
+def test_importing_gpukit_leaves_the_flop_counter_and_triton_for_first_use():
+    """torch's FLOP counter imports Triton where it is installed: about 0.3-0.6 s of `import gpukit` on a
+    2-core CPU (measured with -X importtime, 2026-11-28), paid by every learner who never counts FLOPs.
+    Only what torch itself loads is allowed: the modules are compared before and after `import gpukit`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; before = set(sys.modules); import gpukit; "
+        "print(sorted(m for m in set(sys.modules) - before "
+        "if m.split('.')[0] == 'triton' or m == 'torch.utils.flop_counter'))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded
+
+
 @pytest.mark.parametrize(
     "old, new",
     [

@@ -227,6 +227,14 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {
     # prediction and the measured step. On a GPU, cell 22 (monitor on / off, 4 contenders) kills it only if the
     # doubled calls are the monitored blocks': not claimed.
     ("07", "timeit_second_x2", "cpu"): "every second call falls on each calibration step alike: the line moves whole",
+    # Lesson 03 checks gk.bench's times only on a CPU (cell 32: each contender's median against the same step timed by
+    # hand in the same rounds, within 1.4x; measured 0.93-1.08 on 2026-11-28, a 2x timer gives ~2). On a GPU it shows
+    # them: gk.bench times a step by CUDA events, and whether the lesson's batch is compute-bound there depends on the
+    # GPU. Killed on a CPU by cell 32.
+    **{
+        ("03", mutant, "cuda"): "lesson 03 checks gk.bench's times on a CPU (cell 32, by hand); a GPU shows them"
+        for mutant in ("timeit_x2", "timeit_second_x2", "compare_first_x2", "timing_median_x2")
+    },
 }
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..step import Batch, Loss, class_dimension, describe_value, loss_parts, only_losses, unpack_outputs
+from ..step import Batch, Loss, describe_value, loss_parts, only_losses, unpack_outputs
 
 RESERVED = ("loss", "accuracy", "samples", "tokens", "correct", "scored")  # columns, and the Tally's own sums
 
@@ -228,10 +228,11 @@ class Tally:
         self.samples += size
         if loss is not None:
             self.sums.defer("loss", loss, size)
-        for name, part in loss_parts(outputs).items():
+        alone = type(outputs) is torch.Tensor  # the prediction alone: no losses of the model's own, nothing to unpack
+        for name, part in {} if alone else loss_parts(outputs).items():
             self.sums.defer(name, part, size)
         if self.accuracy:
-            self._hold(unpack_outputs(outputs)[0].detach(), batch.target)
+            self._hold((outputs if alone else unpack_outputs(outputs)[0]).detach(), batch.target)
         if batch.is_sequence:
             self.sequences = True
             if self.shifted_labels is None:
@@ -262,7 +263,7 @@ class Tally:
         classes last in the same number, dtype and device ((B, C), (B, T, V): concatenated as (N, C)), else one
         by one. Counts are integers, so the sums are the same bits either way."""
         held, self.held, self.held_bytes = self.held, [], 0
-        kinds = {(p.shape[-1], p.dtype, p.device, class_dimension(p, t) == p.dim() - 1) for p, t in held}
+        kinds = {(p.shape[-1], p.dtype, p.device, p.shape[:-1] == t.shape) for p, t in held}  # classes last?
         if len(held) > 1 and len(kinds) == 1 and next(iter(kinds))[-1]:
             predictions = torch.cat([prediction.reshape(-1, prediction.shape[-1]) for prediction, _ in held])
             held = [(predictions, torch.cat([target.reshape(-1) for _, target in held]))]

@@ -696,9 +696,9 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
     loss = loss.detach()  # once for both: each keeps it until its sums are added
-    tally.add(batch, loss, outputs)
+    tokens = tally.add(batch, loss, outputs)
     run.shifted_labels = tally.shifted_labels  # decided at the first sequence batch: kept for the whole run
-    window.add(batch, loss, {} if type(outputs) is torch.Tensor else loss_parts(outputs), run.shifted_labels)
+    window.add(batch, loss, {} if type(outputs) is torch.Tensor else loss_parts(outputs), tokens)
     run.phase = "loading data"
 
 
@@ -717,6 +717,7 @@ def _optimizer_step(run: _Run, window: _Window, epoch: int, batch: Batch) -> Non
 def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     """Sum the epoch over ranks, evaluate, record the row, and save the run."""
     tally.over_ranks()  # one all-reduce
+    run.hold_predictions = run.hold_predictions and not tally.uncounted  # targets written in place: count at once
     energy = _epoch_energy(run.watcher, tally.samples) if run.watcher is not None else {}
     run.phase = "evaluation"
     row = {"epoch": epoch + 1} | tally.read("train_")
@@ -762,17 +763,17 @@ class _Window:
         self.lrs: list[float] = []  # each parameter group's lr that the window's last step trained with
         self.started = time.perf_counter()
 
-    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor], shifted_labels=False) -> None:
+    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor], tokens: torch.Tensor | None):
         """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each);
-        its tokens counted from labels[:, 1:] with `shifted_labels` (Tally's decision)."""
+        for sequence data its scored tokens (Tally.add's count: from labels[:, 1:] where the loss shifts them)."""
         self.sums.defer("loss", loss)  # no kernel now: added when the row is read (RunningSums.defer)
         for name, part in parts.items():
             self.sums.defer(name, part)
         self.micro_batches += 1
         self.samples += batch.size
-        if batch.is_sequence:
+        if tokens is not None:
             self.sequences = True
-            self.sums.defer("tokens", batch.count_tokens(bool(shifted_labels)))
+            self.sums.defer("tokens", tokens)
 
     def row(self, step: int, epoch: int, lrs: list[float]) -> dict:
         """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""

@@ -587,6 +587,12 @@ class Loss:
 
     def __call__(self, outputs, target) -> torch.Tensor:
         """The scalar loss (float32) of one batch from what the model returned and the batch's target."""
+        if self.plain_classes(outputs, target):
+            try:  # what _of_prediction computes for them, without its checks (they hold: the test above)
+                loss = _cross_entropy(outputs, target, self.label_smoothing)
+                return loss if loss.dtype == torch.float32 else loss.float()
+            except (IndexError, RuntimeError):  # a target out of range: the whole way below says which
+                pass
         prediction, model_loss = unpack_outputs(outputs)
         if self.uses_model_loss(model_loss):
             loss = model_loss
@@ -601,6 +607,21 @@ class Loss:
                 "or use a loss function with reduction='mean'."
             )
         return loss if loss.dtype == torch.float32 else loss.float()
+
+    def plain_classes(self, outputs, target) -> bool:
+        """Whether this is the built-in cross-entropy of a prediction returned alone, classes last, with int64 class
+        targets of its shape less that dimension ((B, C) for (B,), (B, T, V) for (B, T)), after the first batch's
+        targets were checked: every batch of a classifier or a language model with a tensor out. Decided from types
+        and shapes (no kernel), with none of the per-form tests `__call__` makes otherwise."""
+        return (
+            self.fn is None
+            and not self.check_targets
+            and type(outputs) is type(target) is torch.Tensor
+            and target.dtype is torch.int64
+            and outputs.dim() == target.dim() + 1
+            and outputs.shape[:-1] == target.shape
+            and outputs.is_floating_point()
+        )
 
     def of_evaluation(self, outputs, target) -> torch.Tensor | None:
         """The loss for evaluation; None where there is none to compute: outputs that are a list of dicts (a

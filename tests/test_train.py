@@ -1128,6 +1128,48 @@ def test_fit_launches_no_more_operators_per_step_than_a_hand_written_loop(one_th
     assert by_fit <= by_hand + 2, f"fit: {by_fit:.2f} operators per step, by hand: {by_hand:.2f}"
 
 
+def _calls_into(package_folder: str, action) -> int:
+    """Python function calls (and generator resumptions) in files under `package_folder` while `action` runs on this
+    thread: sys.setprofile, a count that load does not change."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call" and frame.f_code.co_filename.startswith(package_folder)
+
+    sys.setprofile(count)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_fit_makes_no_more_python_calls_per_step_than_a_step_needs(one_thread):
+    """fit's own Python per step, counted rather than timed (load changes times, not counts): calls into gpukit's
+    functions per optimizer step between a 40- and a 200-step run of the tiny MLP (setup, the first batch's checks
+    and the last row cancel). A step of the default path needs 24, one each: read the batch (batch_on_device); run
+    it, a failure explained with its number (_train_on, _micro_step, distributed.no_sync); forward (TrainStep.forward,
+    Precision.autocast, Batch.call, Loss.__call__, Loss.plain_classes, _cross_entropy, unpack_outputs); backward
+    (TrainStep.backward, Precision.backward); the sums (Tally.add, Tally._hold, Batch.is_sequence, _Window.add,
+    RunningSums.defer for each); the optimizer step (_optimizer_step, its list of lrs, TrainStep.step, Precision.step,
+    _Run.done). A History row every 10 steps (18 calls) and the deferred sums and held accuracy added every 32
+    (about 20) make 2.4 more a step: 26.4, measured. Bound 27: one more helper call per step fails it (27.4).
+    Before the step was trimmed it made 52.8 (split_batch's tests of every form, Loss's, loss_parts twice)."""
+    package = str(Path(gk.__file__).parent)
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator))] * 200
+
+    def calls(steps):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        return _calls_into(package, lambda: gk.fit(model, data[:steps], lr=0.1, progress=False, device="cpu"))
+
+    calls(40)  # first calls import and cache what later ones find
+    per_step = (calls(200) - calls(40)) / 160
+    assert 24 <= per_step <= 27, f"{per_step:.2f} calls into gpukit per step"
+
+
 @pytest.mark.parametrize("form", ["classes last", "classes in dimension 1", "tokens with ignored targets"])
 def test_held_predictions_count_the_same_accuracy_as_counting_each_batch(form):
     """Tally(hold_predictions=True) counts the held batches' correct predictions in one go (concatenated where the
@@ -1153,6 +1195,59 @@ def test_held_predictions_count_the_same_accuracy_as_counting_each_batch(form):
     assert len(tallies[1].held) == 1  # one batch held since the last count (32 at a time)
     counted_each, held = (tally.sums.read() for tally in tallies)
     assert held == counted_each and 0 < held["correct"] < held["scored"]
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_a_target_written_in_place_while_held_is_left_out_of_the_accuracy_not_miscounted(buffers):
+    """A loader that writes each batch into the same target tensor (one buffer, or a ring of two) would leave every
+    held batch with a later batch's target by the time the held predictions are counted. The batch whose target
+    changed is left out, with a warning; the others are counted with the targets they trained on, at once from then
+    on: the same correct and scored counts as counting each batch at its step, that one batch left out."""
+    from gpukit.step import Batch, Loss
+    from gpukit.train.tally import Tally
+
+    device, generator = torch.device("cpu"), torch.Generator().manual_seed(0)
+    logits = [torch.randn(8, 5, generator=generator) for _ in range(6)]
+    targets = [torch.randint(0, 5, (8,), generator=generator) for _ in range(6)]
+    ring = [torch.empty(8, dtype=torch.int64, device=device) for _ in range(buffers)]
+    reused, each = Tally(device, Loss(), {}, hold_predictions=True), Tally(device, Loss(), {})
+    with pytest.warns(UserWarning, match=r"changed the target tensor of 1 batch\(es\) in place"):
+        for number, (prediction, target) in enumerate(zip(logits, targets)):
+            buffer = ring[number % buffers].copy_(target)  # the loader writes the batch into its buffer, yields it
+            reused.add(Batch((prediction,), {}, buffer, 8), prediction.mean(), prediction)
+            if number > 0:  # the first batch's buffer is written again (batch 1 + buffers) before it is counted
+                each.add(Batch((prediction,), {}, target.clone(), 8), prediction.mean(), prediction)
+    got, expected = reused.sums.read(), each.sums.read()
+    assert reused.uncounted == 1 and expected["scored"] == 5 * 8
+    assert (got["correct"], got["scored"]) == (expected["correct"], expected["scored"])
+
+
+def test_fit_warns_once_when_the_data_writes_its_targets_in_place(one_thread):
+    """fit on a loader that reuses its tensors: one warning over two epochs (the second counts each batch at once)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=generator), torch.randint(0, 3, (16,), generator=generator))] * 5
+
+    class ReusedBuffers:
+        def __init__(self):
+            self.inputs, self.target = torch.empty(16, 8), torch.empty(16, dtype=torch.int64)
+
+        def __len__(self):
+            return len(batches)
+
+        def __iter__(self):
+            for inputs, target in batches:
+                self.inputs.copy_(inputs)
+                self.target.copy_(target)  # a write: the target's version moves even where its values repeat
+                yield self.inputs, self.target
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = gk.fit(model, ReusedBuffers(), epochs=2, lr=0.1, progress=False, device=torch.device("cpu"))
+    said = [w for w in caught if "changed the target tensor" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    assert all(0 <= row["train_accuracy"] <= 1 for row in history.epochs)
 
 
 def test_predictions_wait_only_where_no_cuda_graph_can_overwrite_them():

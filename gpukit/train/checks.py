@@ -343,7 +343,7 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index
             "torch.isfinite(x).all() is False)."
         )
     target = batch.target
-    if _is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
+    if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
         raise NonFiniteInputError(
             f"{where} has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored "
             "target is 0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples "
@@ -360,7 +360,7 @@ def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, ep
     batch's loss reads the number of classes."""
     classes = loss.classes
     target = split_batch(raw).target if classes is not None else None
-    if not _is_class_tensor(target) or target.device.type != "cpu" or target.numel() == 0:
+    if not is_class_tensor(target) or target.device.type != "cpu" or target.numel() == 0:
         return raw
     low, high = (int(value) for value in torch.aminmax(target))
     if low == loss.ignore_index and high < classes:
@@ -403,7 +403,7 @@ def _token_ids_beyond_embedding(model: nn.Module, batch: Batch) -> str | None:
     """Integer inputs outside the rows of the model's largest nn.Embedding (its vocabulary), in words."""
     embeddings = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
     targets = {id(t) for t in tree_leaves(batch.target)}
-    ids = [t for t in tree_leaves((batch.args, batch.kwargs)) if _is_class_tensor(t) and id(t) not in targets]
+    ids = [t for t in tree_leaves((batch.args, batch.kwargs)) if is_class_tensor(t) and id(t) not in targets]
     if not embeddings or not ids:
         return None
     name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
@@ -421,7 +421,7 @@ def _token_ids_beyond_embedding(model: nn.Module, batch: Batch) -> str | None:
     )
 
 
-def _is_class_tensor(value) -> bool:
+def is_class_tensor(value) -> bool:
     """An integer tensor of class indices or token ids (not bool)."""
     return (
         isinstance(value, torch.Tensor)

@@ -12,7 +12,8 @@ from .. import distributed
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Batch, BatchError, Loss, split_batch, training_mode
-from .data import as_loader, batch_on_device
+from .checks import is_class_tensor
+from .data import as_loader, move_batch
 from .tally import Tally, check_metrics, check_shifted_labels, predictions_can_wait
 
 
@@ -82,7 +83,7 @@ def evaluate(
             if _scores_nothing(batch, loss.ignore_index):  # read before the copy where the target is on the host
                 unscored += 1
                 continue  # its mean loss would be 0/0 = NaN: no loss, token, sample or metric of it is added
-            batch = batch_on_device(batch, device, channels_last)
+            batch = move_batch(batch, device, channels_last)  # split once, above
             try:
                 with precision.autocast():
                     outputs = batch.call(model)
@@ -110,9 +111,7 @@ def _scores_nothing(batch: Batch, ignore_index: int) -> bool:
     if batch.size == 0:
         return True
     target = batch.target
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
-        return False
-    return target.dtype != torch.bool and target.numel() > 0 and bool((target == ignore_index).all())
+    return is_class_tensor(target) and target.numel() > 0 and bool((target == ignore_index).all())
 
 
 def _model_device(model: nn.Module) -> torch.device:

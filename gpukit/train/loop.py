@@ -50,7 +50,7 @@ from .checks import (
     failed_batch_cause,
     warn_if_scalars_ignored,
 )
-from .data import as_loader, batch_on_device, batches, length
+from .data import as_loader, batch_on_device, batches, exact_device, length
 from .evaluation import evaluate
 from .history import History
 from .model_options import ModelOptions, check_model_options
@@ -613,12 +613,13 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
     else:  # after a resume: the epoch's order replayed, and the micro-batches trained on before the save
         epoch_batches, micro = run.checkpoint.start_epoch(run, tally, window)
     batch = None  # a resumed epoch saved at its end (a kill during its evaluation) reads no batch
+    device, accumulate = exact_device(run.device), run.accumulate  # looked up once, not per batch
     for raw in epoch_batches:
-        if run.steps_per_epoch is not None and micro == run.steps_per_epoch * run.accumulate:
+        if run.steps_per_epoch is not None and micro == run.steps_per_epoch * accumulate:
             break  # leftover micro-batches would leave gradients behind for the next step
-        batch = batch_on_device(raw, run.device, run.channels_last)
-        last = (micro + 1) % run.accumulate == 0  # the micro-batch whose backward ends an optimizer step
-        _train_on(run, batch, micro + 1, epoch, partial(_micro_step, run, batch, last, tally, window))
+        batch = batch_on_device(raw, device, run.channels_last)
+        last = (micro + 1) % accumulate == 0  # the micro-batch whose backward ends an optimizer step
+        _train_on(run, batch, micro + 1, epoch, last, tally, window)
         micro += 1
         if last:
             _optimizer_step(run, window, epoch, batch)
@@ -627,7 +628,7 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
             if run.save_every and run.step_index % run.save_every == 0:
                 run.checkpoint.save(run, epoch, micro, tally, window)
                 run.initial = None  # a resume from that save is exact now
-    if micro % run.accumulate:  # data without len(): drop the gradients of the last, incomplete step
+    if micro % accumulate:  # data without len(): drop the gradients of the last, incomplete step
         run.step.optimizer.zero_grad(set_to_none=True)
     if micro == 0:
         raise ValueError(
@@ -639,8 +640,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[Tally, float]:
     return tally, time.perf_counter() - started
 
 
-def _train_on(run: _Run, batch: Batch, number: int, epoch: int, micro_step: Callable[[], None]) -> None:
-    """Run `micro_step` on the epoch's batch `number` (from 1); a failure whose cause its data shows is said with
+def _train_on(run: _Run, batch: Batch, number: int, epoch: int, last: bool, tally: Tally, window: _Window) -> None:
+    """A micro-step on the epoch's batch `number` (from 1); a failure whose cause its data shows is said with
     that batch's number, any other gets the number as a note. Nothing here reads the device. A first batch refused
     leaves the model's buffers (BatchNorm's statistics, which its forward moved) as they were: a refused call
     changes nothing of the model."""
@@ -653,7 +654,7 @@ def _train_on(run: _Run, batch: Batch, number: int, epoch: int, micro_step: Call
             )
         if not run.seen_a_batch:
             _first_batch(run, batch)
-        micro_step()
+        _micro_step(run, batch, last, tally, window)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
@@ -695,9 +696,9 @@ def _micro_step(run: _Run, batch: Batch, last: bool, tally: Tally, window: _Wind
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
     loss = loss.detach()  # once for both: each keeps it until its sums are added
-    tally.add(batch, loss, outputs)
+    tokens = tally.add(batch, loss, outputs)
     run.shifted_labels = tally.shifted_labels  # decided at the first sequence batch: kept for the whole run
-    window.add(batch, loss, loss_parts(outputs), run.shifted_labels)
+    window.add(batch, loss, {} if type(outputs) is torch.Tensor else loss_parts(outputs), tokens)
     run.phase = "loading data"
 
 
@@ -716,6 +717,7 @@ def _optimizer_step(run: _Run, window: _Window, epoch: int, batch: Batch) -> Non
 def _end_epoch(run: _Run, epoch: int, tally: Tally, seconds: float) -> None:
     """Sum the epoch over ranks, evaluate, record the row, and save the run."""
     tally.over_ranks()  # one all-reduce
+    run.hold_predictions = run.hold_predictions and not tally.uncounted  # targets written in place: count at once
     energy = _epoch_energy(run.watcher, tally.samples) if run.watcher is not None else {}
     run.phase = "evaluation"
     row = {"epoch": epoch + 1} | tally.read("train_")
@@ -761,17 +763,17 @@ class _Window:
         self.lrs: list[float] = []  # each parameter group's lr that the window's last step trained with
         self.started = time.perf_counter()
 
-    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor], shifted_labels=False) -> None:
+    def add(self, batch: Batch, loss: torch.Tensor, parts: dict[str, torch.Tensor], tokens: torch.Tensor | None):
         """One micro-batch's loss, and the model's own losses when it returns a dict of them (a column each);
-        its tokens counted from labels[:, 1:] with `shifted_labels` (Tally's decision)."""
+        for sequence data its scored tokens (Tally.add's count: from labels[:, 1:] where the loss shifts them)."""
         self.sums.defer("loss", loss)  # no kernel now: added when the row is read (RunningSums.defer)
         for name, part in parts.items():
             self.sums.defer(name, part)
         self.micro_batches += 1
         self.samples += batch.size
-        if batch.is_sequence:
+        if tokens is not None:
             self.sequences = True
-            self.sums.defer("tokens", batch.count_tokens(bool(shifted_labels)))
+            self.sums.defer("tokens", tokens)
 
     def row(self, step: int, epoch: int, lrs: list[float]) -> dict:
         """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..step import Batch, Loss, class_dimension, describe_value, loss_parts, only_losses, unpack_outputs
+from ..step import Batch, Loss, describe_value, loss_parts, only_losses, unpack_outputs
 
 RESERVED = ("loss", "accuracy", "samples", "tokens", "correct", "scored")  # columns, and the Tally's own sums
 
@@ -166,15 +166,17 @@ class RunningSums:
     def over_ranks(self, *counts: int, names_may_differ: bool = False) -> tuple[int, ...]:
         """Sum every value, and the host-side `counts` given, over all ranks; returns the counts' sums.
         `names_may_differ`: a rank may not have seen every name (no batch at all): agree on them first."""
+        values = self.values  # (looked at once: each look adds what waits)
         if names_may_differ:
-            names = distributed.names_over_ranks(list(self.values))
-            self.values = {name: self.values.get(name, self.zero.clone()) for name in names}
-        values = distributed.sum_over_ranks(*self.values.values(), *counts)
-        self.values = dict(zip(self.values, values[: len(self.values)]))
-        return tuple(values[len(self.values) :])
+            names = distributed.names_over_ranks(list(values))
+            values = {name: values.get(name, self.zero.clone()) for name in names}
+        summed = distributed.sum_over_ranks(*values.values(), *counts)
+        self.values = dict(zip(values, summed[: len(values)]))
+        return tuple(summed[len(values) :])
 
     def read(self) -> dict[str, float]:
-        return dict(zip(self.values, torch.stack(list(self.values.values())).tolist()))
+        values = self.values
+        return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
 
 class Tally:
@@ -213,32 +215,40 @@ class Tally:
         # "loss", parts, metrics: when first seen
         self.sums = RunningSums(device, ["correct", "scored", "tokens"], before_reading=self._count_held)
         self.hold_predictions = hold_predictions  # see predictions_can_wait
-        self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (prediction, target) of batches not yet counted
+        # (prediction, target, target._version) of batches not yet counted
+        self.held: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.uncounted = 0  # batches left out of the accuracy: their targets changed in place before being counted
         self.held_bytes = 0
         self.shifted_labels = shifted_labels  # tokens from labels[:, 1:]; None: decided at the first sequence batch
 
-    def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> None:
-        """One batch: its loss, and what the model returned, as it returned it (metrics get that)."""
+    def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> torch.Tensor | None:
+        """One batch: its loss, and what the model returned, as it returned it (metrics get that). Returns the batch's
+        scored tokens (a 0-d tensor, for sequence data; else None), counted as `shifted_labels` says."""
         first = self.accuracy is None
         if first:
             self.accuracy = self.loss.tracks_accuracy(batch, outputs)
+            # An inference tensor (made under torch.inference_mode) keeps no count of its writes to watch: counted at once.
+            self.hold_predictions = self.hold_predictions and self.accuracy and not batch.target.is_inference()
             if loss is None and not self.metrics:
                 raise ValueError(_nothing_to_report(outputs))
         size = batch.size
         self.samples += size
         if loss is not None:
             self.sums.defer("loss", loss, size)
-        for name, part in loss_parts(outputs).items():
+        alone = type(outputs) is torch.Tensor  # the prediction alone: no losses of the model's own, nothing to unpack
+        for name, part in {} if alone else loss_parts(outputs).items():
             self.sums.defer(name, part, size)
         if self.accuracy:
-            self._hold(unpack_outputs(outputs)[0].detach(), batch.target)
+            self._hold((outputs if alone else unpack_outputs(outputs)[0]).detach(), batch.target)
+        tokens = None
         if batch.is_sequence:
             self.sequences = True
             if self.shifted_labels is None:
                 self.shifted_labels = decide_shifted_labels(self.loss, batch, outputs, loss)
-            self.sums.defer("tokens", batch.count_tokens(self.shifted_labels))
+            tokens = batch.count_tokens(self.shifted_labels)
+            self.sums.defer("tokens", tokens)
         if not self.metrics or only_losses(outputs):
-            return  # (a detector's training outputs: its losses, columns above, and no prediction to measure)
+            return tokens  # (a detector's training outputs: its losses, columns above, and no prediction to measure)
         with torch.no_grad():
             for name, fn in self.metrics.items():
                 value = fn(outputs, batch.target)
@@ -247,22 +257,37 @@ class Tally:
                 values = {f"{name}_{key}": item for key, item in value.items()} if isinstance(value, Mapping) else {}
                 for column, item in (values or {name: value}).items():
                     self.sums.add(column, item * size)
+        return tokens
 
     def _hold(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
         """Count a batch's correct predictions later, with the next ones': Loss.correct's ten small kernels once
-        per 32 batches (or 4 MiB of predictions) instead of once per batch, where `hold_predictions` allows."""
-        self.held.append((prediction, target))
+        per 32 batches (or 4 MiB of predictions) instead of once per batch, where `hold_predictions` allows.
+        The target's `_version` (its in-place writes) is kept with it: a data pipeline that writes the next batch
+        into the same tensors changes a held target, and is caught at the next batch (the last held changed, or
+        the first: a ring of buffers) and when counted (_count_held)."""
+        held = self.held
+        if held and (held[-1][2] != held[-1][1]._version or held[0][2] != held[0][1]._version):
+            self._count_held()  # (which stops holding: _targets_changed)
+        if not self.hold_predictions:
+            self.held.append((prediction, target, None))
+            return self._count_held()
+        self.held.append((prediction, target, target._version))
         self.held_bytes += prediction.untyped_storage().nbytes()  # a view keeps its whole storage alive
-        full = len(self.held) >= RunningSums.deferred_limit or self.held_bytes >= self.held_bytes_limit
-        if full or not self.hold_predictions:
+        if len(self.held) >= RunningSums.deferred_limit or self.held_bytes >= self.held_bytes_limit:
             self._count_held()
 
     def _count_held(self) -> None:
         """Add the held batches' correct and scored predictions to the sums: in one go where they have their
         classes last in the same number, dtype and device ((B, C), (B, T, V): concatenated as (N, C)), else one
-        by one. Counts are integers, so the sums are the same bits either way."""
+        by one. Counts are integers, so the sums are the same bits either way. A batch whose target was changed
+        in place since it was held is left out (its values are gone), said once, and batches are counted at once
+        from then on."""
         held, self.held, self.held_bytes = self.held, [], 0
-        kinds = {(p.shape[-1], p.dtype, p.device, class_dimension(p, t) == p.dim() - 1) for p, t in held}
+        intact = [(p, t) for p, t, version in held if version is None or t._version == version]
+        if len(intact) < len(held):
+            self._targets_changed(len(held) - len(intact))
+        held = intact
+        kinds = {(p.shape[-1], p.dtype, p.device, p.shape[:-1] == t.shape) for p, t in held}  # classes last?
         if len(held) > 1 and len(kinds) == 1 and next(iter(kinds))[-1]:
             predictions = torch.cat([prediction.reshape(-1, prediction.shape[-1]) for prediction, _ in held])
             held = [(predictions, torch.cat([target.reshape(-1) for _, target in held]))]
@@ -270,6 +295,17 @@ class Tally:
             correct, scored = self.loss.correct(prediction, target)
             self.sums.defer("correct", correct)
             self.sums.defer("scored", scored)
+
+    def _targets_changed(self, batches: int) -> None:
+        self.hold_predictions = False
+        self.uncounted += batches
+        warnings.warn(
+            f"the data changed the target tensor of {batches} batch(es) in place after their step (a loader that "
+            "writes each batch into the same tensors?), before their accuracy was counted: those batches are left "
+            "out of the accuracy, and from now on each batch's accuracy is counted at its step. Yield new tensors "
+            "per batch (or a clone) to have every batch counted.",
+            stacklevel=callers_stacklevel(),
+        )
 
     def over_ranks(self) -> None:
         """Add up every rank's sums and samples (one all-reduce, after agreeing on the names of the sums). Whether

@@ -156,28 +156,30 @@ def test_nothing_inside_imports_the_top_level_package():
 def test_importing_gpukit_leaves_torchvision_for_first_use():
     """torchvision costs about a second to import (measured: `import gpukit` after torch went from 1.5 s to
     0.22 s when it became lazy); only code that decodes images or builds torchvision models loads it."""
-    import subprocess
-    import sys
-
     code = "import sys, torch, gpukit; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "[]", loaded
+    loaded = _printed_by_a_fresh_python(code)
+    assert loaded == "[]", loaded
 
 
 def test_importing_gpukit_leaves_the_flop_counter_and_triton_for_first_use():
     """torch's FLOP counter imports Triton where it is installed: about 0.3-0.6 s of `import gpukit` on a
     2-core CPU (measured with -X importtime, 2026-11-28), paid by every learner who never counts FLOPs.
     Only what torch itself loads is allowed: the modules are compared before and after `import gpukit`."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch; before = set(sys.modules); import gpukit; "
         "print(sorted(m for m in set(sys.modules) - before "
         "if m.split('.')[0] == 'triton' or m == 'torch.utils.flop_counter'))"
     )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "[]", loaded
+    loaded = _printed_by_a_fresh_python(code)
+    assert loaded == "[]", loaded
+
+
+def _printed_by_a_fresh_python(code: str) -> str:
+    """What `code` prints in a new interpreter: the modules one import loads, with nothing imported before it."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ class Profile:
 
 
 PROFILES = {
-    # CI and tests: a 2-core CPU, each notebook well under 90 s.
+    # CI and tests: a 2-core CPU, one training thread; each lesson takes 11 s to about 2.5 minutes (lesson 01).
     "tiny": Profile(
         name="tiny", train_size=8192, test_size=1024, epochs=4, width=8, batch_size=64,
         batch_sizes=(16, 32, 64, 128), bench_repeats=5, matmul_size=512,
@@ -62,8 +62,8 @@ PROFILES = {
         text_bytes=2_000_000, seq_len=128, gpt_width=96, gpt_depth=3, gpt_heads=4, gpt_steps=300,
     ),
     # Full-size models on a CUDA GPU, with the data and steps cut for a short lease (each lesson's derivation in its
-    # setup cell, the seconds in benchmarks/gpu-ledger.json): 20,000 training images (lesson 01: 10 epochs of 78 steps
-    # of 256, against tiny's 4 of 128 steps of 64 that pass its 0.8-accuracy check; its batch-1024 runs get 95 steps),
+    # setup cell, the seconds in benchmarks/gpu-ledger.json): 20,000 training images (lesson 01: 4 epochs of 78 steps
+    # of 256, against tiny's 3 of 128 steps of 64 that pass its 0.8-accuracy check; its batch-1024 runs get 40 steps),
     # 500 GPT steps (lesson 06: held-out loss below the unigram entropy, which tiny's 150 steps reach).
     "gpu": Profile(
         name="gpu", train_size=20_000, test_size=5_000, epochs=10, width=64, batch_size=256,

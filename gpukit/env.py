@@ -49,7 +49,7 @@ class Profile:
 
 
 PROFILES = {
-    # CI and tests: a 2-core CPU, one training thread; each lesson takes 11 s to about 2.5 minutes (lesson 01).
+    # CI and tests: a 2-core CPU, one training thread; each lesson takes 10 s to about 2.5 minutes of its CPU time.
     "tiny": Profile(
         name="tiny", train_size=8192, test_size=1024, epochs=4, width=8, batch_size=64,
         batch_sizes=(16, 32, 64, 128), bench_repeats=5, matmul_size=512,

@@ -33,7 +33,7 @@ from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
 from ..validation import check_int
-from .data import as_loader, batch_on_device
+from .data import as_loader, batch_on_device, exact_device
 
 SUGGESTION_RULE = "the largest lr at which the smoothed loss is still at its lowest level ÷ 10"
 NOISE_BAND = 6.0  # the lowest level: within this many standard deviations of the smoothed curve's noise
@@ -245,6 +245,7 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
     lrs, losses = [], []
     divergence, stopped = _Divergence(smoothing, diverge), "reached end_lr"
     batches = _cycle(loader)
+    device = exact_device(device)  # "cuda:0", not "cuda": batch_on_device's fast path compares tensors' devices
     with training_mode(step.model), precision.flags():
         for index in range(steps):
             lr = start_lr * ratio ** (index / (steps - 1))

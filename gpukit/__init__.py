@@ -21,6 +21,7 @@ from . import (
     train,
 )
 from .checkup import doctor
+from .claims import CheckFailed, check, check_between, skip_check
 from .deprecation import renamed
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, Precision, get_precision
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PRECISIONS",
     "PROFILES",
+    "CheckFailed",
     "CheckpointError",
     "Env",
     "History",
@@ -40,6 +42,8 @@ __all__ = [
     "Profile",
     "Table",
     "bench",
+    "check",
+    "check_between",
     "compiling",
     "data",
     "detect",
@@ -60,6 +64,7 @@ __all__ = [
     "resolve_device",
     "seed_everything",
     "shipped",
+    "skip_check",
     "step",
     "train",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "Prediction",
     "Verdict",
     "WrongAnswer",
+    "compare",
     "is_unchanged",
     "progress",
     "tolerance_from",
@@ -207,29 +208,34 @@ class Prediction(Exercise):
             answer = answer.item()
         if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
             return Verdict(False, f"give {self.answer} as a finite number, not {answer!r}")
-        samples = self.measure()
-        reference = statistics.median(samples)
-        if self.integer:
-            lo = hi = 1.0
-        else:
-            tolerance = tolerance_from(samples, self.floor)
-            lo, hi = 1 / (1 + tolerance), 1 + tolerance
-        ratio = answer / reference if reference else math.inf
-        measured = f"{_number(reference)}{self.unit}" + (f", median of {len(samples)}" if len(samples) > 1 else "")
-        shown = f"your {_number(answer)}{self.unit} is {ratio:.3g}x {self.what} ({measured}; allowed {lo:.2f}x to {hi:.2f}x)"
-        if lo <= ratio <= hi:
-            return Verdict(True, shown)
-        return Verdict(False, f"{shown}: {self.likely_mistake(ratio)}")
+        return compare(answer, self.measure(), floor=0.0 if self.integer else self.floor, mistakes=self.mistakes,
+                       what=self.what, unit=self.unit, advice=self.hints[0])  # fmt: skip
 
-    def likely_mistake(self, ratio: float) -> str:
-        """The listed mistake whose ratio is nearest (within 1.3x) to `ratio`, else which way the answer missed."""
-        if ratio > 0 and self.mistakes:
-            nearest = min(self.mistakes, key=lambda mistake: abs(math.log(ratio / mistake.ratio)))
-            if abs(math.log(ratio / nearest.ratio)) <= math.log(1.3):
-                return nearest.says
-        if not ratio > 0:
-            return "the measured value is positive: check the sign and the units of your prediction"
-        return "too high: " + self.hints[0] if ratio > 1 else "too low: " + self.hints[0]
+
+def compare(answer: float, samples: Sequence[float], *, floor: float, mistakes: Sequence[Mistake] = (), what: str,
+            unit: str = "", advice: str) -> Verdict:  # fmt: skip
+    """Judge `answer` against the median of `samples` measured here, within tolerance_from(samples, floor): the line
+    says the ratio, what was measured and what was allowed, and on a miss the listed mistake nearest (within 1.3x) to
+    the ratio, or which way it missed and `advice`."""
+    reference = statistics.median(samples)
+    tolerance = tolerance_from(samples, floor) if floor > 0 else 0.0
+    lo, hi = 1 / (1 + tolerance), 1 + tolerance
+    ratio = answer / reference if reference else math.inf
+    measured = f"{_number(reference)}{unit}" + (f", median of {len(samples)}" if len(samples) > 1 else "")
+    shown = f"your {_number(answer)}{unit} is {ratio:.3g}x {what} ({measured}; allowed {lo:.3g}x to {hi:.3g}x)"
+    if lo <= ratio <= hi:
+        return Verdict(True, shown)
+    return Verdict(False, f"{shown}: {_likely_mistake(ratio, mistakes, advice)}")
+
+
+def _likely_mistake(ratio: float, mistakes: Sequence[Mistake], advice: str) -> str:
+    if not ratio > 0 or not math.isfinite(ratio):
+        return "the measured value is positive and finite: check the sign and the units of your answer"
+    if mistakes:
+        nearest = min(mistakes, key=lambda mistake: abs(math.log(ratio / mistake.ratio)))
+        if abs(math.log(ratio / nearest.ratio)) <= math.log(1.3):
+            return nearest.says
+    return f"too {'high' if ratio > 1 else 'low'}: {advice}"
 
 
 def progress(exercises: Sequence[Exercise]) -> None:

@@ -80,6 +80,12 @@ def test_exercise_as_shipped_solved_and_wrong(setups, lesson, exercise):
     assert len(printed.strip().splitlines()) == 1, printed  # one plain line, as gk.check prints
     solved = namespace[exercise.answer]
 
+    if exercise.kind == "fix" and not (exercise.needs_gpu and not ON_GPU):
+        # the premise: the setup as shipped, judged as an answer, fails here
+        shipped = setups(lesson)
+        run(cells["answer"], shipped)
+        assert not exercise.judge_answer(shipped[exercise.answer]).passed, exercise.key
+
     wrong_values = []
     for wrong in exercise.wrong_answers:
         if (wrong.needs_gpu or exercise.needs_gpu) and not ON_GPU:

@@ -113,9 +113,12 @@ def _functions_in(source: str) -> dict[str, types.CodeType]:
 
 def is_unchanged(answer: Any, starter: str) -> bool:
     """Whether `answer` is the blank the lesson ships: `...`, or a function compiled from the same statements as the
-    one of its name in `starter` (an empty body to write, or the broken code to fix, as shipped)."""
+    one of its name in `starter` (an empty body to write, or the broken code to fix, as shipped), or a tuple of such
+    functions."""
     if answer is Ellipsis:
         return True
+    if isinstance(answer, tuple) and answer:  # several functions, all as shipped
+        return all(is_unchanged(part, starter) for part in answer)
     code = getattr(answer, "__code__", None)
     if code is None:
         return False

@@ -218,8 +218,8 @@ class Prediction(Exercise):
 def compare(answer: float, samples: Sequence[float], *, floor: float, mistakes: Sequence[Mistake] = (), what: str,
             unit: str = "", advice: str) -> Verdict:  # fmt: skip
     """Judge `answer` against the median of `samples` measured here, within tolerance_from(samples, floor): the line
-    says the ratio, what was measured and what was allowed, and on a miss the listed mistake nearest (within 1.3x) to
-    the ratio, or which way it missed and `advice`."""
+    says the ratio, what was measured and what was allowed, and on a miss the listed mistake nearest to the ratio, or
+    which way it missed and `advice`."""
     reference = statistics.median(samples)
     tolerance = tolerance_from(samples, floor) if floor > 0 else 0.0
     lo, hi = 1 / (1 + tolerance), 1 + tolerance
@@ -228,15 +228,17 @@ def compare(answer: float, samples: Sequence[float], *, floor: float, mistakes: 
     shown = f"your {_number(answer)}{unit} is {ratio:.3g}x {what} ({measured}; allowed {lo:.3g}x to {hi:.3g}x)"
     if lo <= ratio <= hi:
         return Verdict(True, shown)
-    return Verdict(False, f"{shown}: {_likely_mistake(ratio, mistakes, advice)}")
+    return Verdict(False, f"{shown}: {_likely_mistake(ratio, mistakes, advice, 1.3 * hi)}")
 
 
-def _likely_mistake(ratio: float, mistakes: Sequence[Mistake], advice: str) -> str:
+def _likely_mistake(ratio: float, mistakes: Sequence[Mistake], advice: str, within: float) -> str:
+    """The listed mistake nearest to `ratio` (in log scale) if it is within a factor `within` of it (wider where the
+    measurement spreads more), else which way the answer missed, with `advice`."""
     if not ratio > 0 or not math.isfinite(ratio):
         return "the measured value is positive and finite: check the sign and the units of your answer"
     if mistakes:
         nearest = min(mistakes, key=lambda mistake: abs(math.log(ratio / mistake.ratio)))
-        if abs(math.log(ratio / nearest.ratio)) <= math.log(1.3):
+        if abs(math.log(ratio / nearest.ratio)) <= math.log(within):
             return nearest.says
     return f"too {'high' if ratio > 1 else 'low'}: {advice}"
 

@@ -72,8 +72,11 @@ growth_prediction = 2**3
     unit="x",
     floor=0.25,  # a busy device runs the two sizes at slightly different FLOP/s (caches, tiling)
     mistakes=(
-        Mistake(0.5, "the matrices hold 4x the numbers, but the work grows as n³: each of the n² outputs sums n "
-                "products, and n doubled too"),  # fmt: skip
+        Mistake(
+            0.5,
+            "the matrices hold 4x the numbers, but the work grows as n³: each of the n² outputs sums n "
+            "products, and n doubled too",
+        ),  # fmt: skip
         Mistake(0.25, "twice the side is not twice the time: count the FLOPs, 2·n³"),
         Mistake(2.0, "that is four factors of n: a matmul is 2·n³ FLOPs, three"),
     ),
@@ -107,11 +110,17 @@ def _judge_timer(my_timer) -> Verdict:
 
 _TIMER_MISTAKES = (
     Mistake(1000.0, "did you return milliseconds? Return seconds"),
-    Mistake(float(TIMER_REPEATS), f"about {TIMER_REPEATS}x: did you return the total of all {TIMER_REPEATS} calls? "
-            "Return the median of one call's times"),  # fmt: skip
+    Mistake(
+        float(TIMER_REPEATS),
+        f"about {TIMER_REPEATS}x: did you return the total of all {TIMER_REPEATS} calls? "
+        "Return the median of one call's times",
+    ),  # fmt: skip
     Mistake(2.0, "about 2x: did you call fn twice between the two readings of the clock?"),
-    Mistake(0.01, "far too fast: GPU work is queued and returns at once; call torch.cuda.synchronize() before "
-            "reading the clock, each time"),  # fmt: skip
+    Mistake(
+        0.01,
+        "far too fast: GPU work is queued and returns at once; call torch.cuda.synchronize() before "
+        "reading the clock, each time",
+    ),  # fmt: skip
 )
 
 time_it = Exercise(
@@ -153,7 +162,8 @@ def my_timer(fn, repeats):
         "started = time.perf_counter(); fn(); synchronize; times.append(time.perf_counter() - started)",
     ),
     wrong_answers=(
-        WrongAnswer("""import time
+        WrongAnswer(
+            """import time
 
 
 def my_timer(fn, repeats):
@@ -164,8 +174,11 @@ def my_timer(fn, repeats):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - started
-""", f"the total of all {TIMER_REPEATS} calls"),
-        WrongAnswer("""import statistics
+""",
+            f"the total of all {TIMER_REPEATS} calls",
+        ),
+        WrongAnswer(
+            """import statistics
 import time
 
 
@@ -182,8 +195,11 @@ def my_timer(fn, repeats):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-""", "did you call fn twice"),
-        WrongAnswer("""import statistics
+""",
+            "did you call fn twice",
+        ),
+        WrongAnswer(
+            """import statistics
 import time
 
 
@@ -195,7 +211,10 @@ def my_timer(fn, repeats):
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-""", "call torch.cuda.synchronize()", needs_gpu=True),
+""",
+            "call torch.cuda.synchronize()",
+            needs_gpu=True,
+        ),
     ),
     judge=_judge_timer,
 )
@@ -248,17 +267,86 @@ flops_prediction = forward + 2 * batch * (first + 2 * second)
     unit=" FLOP",
     floor=0.05,
     mistakes=(
-        Mistake(0.5, "half the counted: did you count the forward pass only (backward costs twice the forward), or "
-                "one FLOP per multiply-add (it is 2)?"),  # fmt: skip
-        Mistake(1.5, "did you count a gradient for the images? The first layer computes its weights' gradient only: "
-                "the images need no gradient"),  # fmt: skip
+        Mistake(
+            0.5,
+            "half the counted: did you count the forward pass only (backward costs twice the forward), or "
+            "one FLOP per multiply-add (it is 2)?",
+        ),  # fmt: skip
+        Mistake(
+            1.5,
+            "did you count a gradient for the images? The first layer computes its weights' gradient only: "
+            "the images need no gradient",
+        ),  # fmt: skip
         Mistake(2.0, "twice the counted: a multiply-add is 2 FLOPs, not 4"),
         Mistake(1 / 3, "a third of the counted: the backward pass costs about twice the forward"),
     ),
 )
 
 
-EXERCISES = (matmul_growth, time_it, step_flops)
+# --- 4 · predict (a GPU): how much faster the GPU multiplies ----------------------------------------------------
+
+GPU_SIDE, CPU_SIDE = 4096, 512
+
+
+def _measure_gpu_over_cpu() -> list[float]:
+    # Strict fp32 matmuls on each device, timed in turn, three rounds: the GPU's rate over the CPU's, per round.
+    ratios = []
+    for _ in range(3):
+        gpu = bench.matmul_tflops("cuda", "fp32", GPU_SIDE, repeats=5)
+        cpu = bench.matmul_tflops("cpu", "fp32", CPU_SIDE, repeats=3)
+        ratios.append(gpu / cpu)
+    return ratios
+
+
+gpu_over_cpu = Prediction(
+    key="00.gpu_over_cpu",
+    kind="predict",
+    title="how many times faster the GPU multiplies in fp32",
+    prompt=f"""### Exercise 4 · Predict: the GPU against the CPU
+
+**Predict how many times the GPU's fp32 matmul rate (TFLOP/s, a {GPU_SIDE}×{GPU_SIDE} matmul) is the CPU's (a
+{CPU_SIDE}×{CPU_SIDE} one, on the threads this lesson uses)**, from what section 2 measured, or measure it again with
+`gk.bench.matmul_tflops`. The check times both here, in turn, three times.""",
+    starter="""gpu_prediction = ...  # the GPU's fp32 TFLOP/s ÷ the CPU's
+""",
+    answer="gpu_prediction",
+    solution_code=f"""# Each rate as section 2 measured it: 2·n³ FLOPs over the time of an n×n matmul, strict fp32 on both.
+gpu_tflops = gk.bench.matmul_tflops("cuda", "fp32", {GPU_SIDE}, repeats=5)
+cpu_tflops = gk.bench.matmul_tflops("cpu", "fp32", {CPU_SIDE}, repeats=3)
+gpu_prediction = gpu_tflops / cpu_tflops
+""",
+    hints=(
+        "section 2's table has a TFLOP/s for each device in fp32",
+        "the ratio of the two rates; gk.bench.matmul_tflops(device, 'fp32', n) measures one",
+        f"gk.bench.matmul_tflops('cuda', 'fp32', {GPU_SIDE}) / gk.bench.matmul_tflops('cpu', 'fp32', {CPU_SIDE})",
+    ),
+    wrong_answers=(
+        WrongAnswer(
+            f"""gpu_prediction = 2 * gk.bench.matmul_tflops("cuda", "fp32", {GPU_SIDE}) / gk.bench.matmul_tflops(
+    "cpu", "fp32", {CPU_SIDE})
+""",
+            "twice the measured",
+        ),
+        WrongAnswer(
+            f"""gpu_prediction = gk.bench.matmul_tflops("cpu", "fp32", {CPU_SIDE}) / gk.bench.matmul_tflops(
+    "cuda", "fp32", {GPU_SIDE})
+""",
+            "too low",
+        ),
+    ),
+    measure=_measure_gpu_over_cpu,
+    what="the measured ratio",
+    unit="x",
+    floor=0.3,  # the CPU's rate moves with what else runs on it
+    mistakes=(
+        Mistake(2.0, "twice the measured: did you compare with TF32 or bf16? The check is strict fp32 on both"),
+        Mistake(0.5, "half the measured: strict fp32 on both, each on a matmul large enough for it"),
+    ),
+    needs_gpu="it times a matmul on a CUDA GPU",
+)
+
+
+EXERCISES = (matmul_growth, time_it, step_flops, gpu_over_cpu)
 
 
 def progress() -> None:

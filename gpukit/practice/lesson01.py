@@ -149,21 +149,30 @@ how far the rest are off.""",
         "(loss * 2**16).backward(), then divide every parameter's .grad by 2**16",
     ),
     wrong_answers=(
-        WrongAnswer("""def backward_in_fp16(model, inputs, labels):
+        WrongAnswer(
+            """def backward_in_fp16(model, inputs, labels):
     with torch.autocast(inputs.device.type, dtype=torch.float16):
         loss = torch.nn.functional.cross_entropy(model(inputs), labels)
     (loss * 2.0**16).backward()
-""", "divide them by the scale after backward"),
-        WrongAnswer("""def backward_in_fp16(model, inputs, labels):
+""",
+            "divide them by the scale after backward",
+        ),
+        WrongAnswer(
+            """def backward_in_fp16(model, inputs, labels):
     with torch.autocast(inputs.device.type, dtype=torch.float16):
         loss = torch.nn.functional.cross_entropy(model(inputs), labels)
     (loss * 2).backward()
     for parameter in model.parameters():
         parameter.grad /= 2
-""", "multiply the loss by a large scale"),
-        WrongAnswer("""def backward_in_fp16(model, inputs, labels):
+""",
+            "multiply the loss by a large scale",
+        ),
+        WrongAnswer(
+            """def backward_in_fp16(model, inputs, labels):
     torch.nn.functional.cross_entropy(model(inputs), labels).backward()
-""", "keep fp16 autocast"),
+""",
+            "keep fp16 autocast",
+        ),
     ),
     judge=_judge_scaling,
 )

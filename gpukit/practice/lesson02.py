@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 from torch.utils.data import DataLoader
 
 from .. import data, models
@@ -128,12 +127,18 @@ loader on a dataset of {FEED_IMAGES} images and runs `gk.data.diagnose` on it wi
         "read [slow_dataset[i] for i in range(len(slow_dataset))] once and give the DataLoader that list",
     ),
     wrong_answers=(
-        WrongAnswer("""def make_loader(slow_dataset, batch_size):
+        WrongAnswer(
+            """def make_loader(slow_dataset, batch_size):
     return torch.utils.data.DataLoader(slow_dataset, batch_size=batch_size, shuffle=True, num_workers=1)
-""", "still input-bound"),
-        WrongAnswer("""def make_loader(slow_dataset, batch_size):
+""",
+            "still input-bound",
+        ),
+        WrongAnswer(
+            """def make_loader(slow_dataset, batch_size):
     return torch.utils.data.DataLoader(slow_dataset, batch_size=batch_size // 4, shuffle=True)
-""", "keep the batch and the images"),
+""",
+            "keep the batch and the images",
+        ),
     ),
     judge=_judge_feeding,
 )

@@ -77,17 +77,24 @@ allreduced_prediction = {STEPS} * 4 * parameters
         "optimizer steps × 4 bytes × parameters",
     ),
     wrong_answers=(
-        WrongAnswer(f"allreduced_prediction = {STEPS * ACCUMULATE} * 4 * ((3072 * 128 + 128) + (128 * 10 + 10))",
-                    "inside no_sync()"),  # fmt: skip
-        WrongAnswer(f"allreduced_prediction = {STEPS} * 8 * ((3072 * 128 + 128) + (128 * 10 + 10))", "twice the counted"),
+        WrongAnswer(
+            f"allreduced_prediction = {STEPS * ACCUMULATE} * 4 * ((3072 * 128 + 128) + (128 * 10 + 10))",
+            "inside no_sync()",
+        ),  # fmt: skip
+        WrongAnswer(
+            f"allreduced_prediction = {STEPS} * 8 * ((3072 * 128 + 128) + (128 * 10 + 10))", "twice the counted"
+        ),
     ),
     measure=_measure_allreduced,
     what="the counted bytes",
     unit=" bytes",
     floor=0.05,  # fit's logged loss, averaged over the ranks, adds a few bytes
     mistakes=(
-        Mistake(float(ACCUMULATE), "once per micro-batch? fit runs the first k - 1 micro-batches of each step inside "
-                "no_sync(): DDP all-reduces once per optimizer step"),  # fmt: skip
+        Mistake(
+            float(ACCUMULATE),
+            "once per micro-batch? fit runs the first k - 1 micro-batches of each step inside "
+            "no_sync(): DDP all-reduces once per optimizer step",
+        ),  # fmt: skip
         Mistake(2.0, "twice the counted: the gradients are fp32, 4 bytes each; all_reduce is handed each one once"),
         Mistake(0.5, "half the counted: the gradients are fp32 (4 bytes), not 16-bit"),
     ),
@@ -169,14 +176,20 @@ function and the same network under DDP, and compares.""",
         "for each parameter: all_reduce(parameter.grad), then parameter.grad /= torch.distributed.get_world_size()",
     ),
     wrong_answers=(
-        WrongAnswer("""def average_gradients(model):
+        WrongAnswer(
+            """def average_gradients(model):
     for parameter in model.parameters():
         torch.distributed.all_reduce(parameter.grad)
-""", "divide by the world size"),
-        WrongAnswer("""def average_gradients(model):
+""",
+            "divide by the world size",
+        ),
+        WrongAnswer(
+            """def average_gradients(model):
     for parameter in model.parameters():
         parameter.grad /= torch.distributed.get_world_size()
-""", "the ranks ended with different parameters"),
+""",
+            "the ranks ended with different parameters",
+        ),
     ),
     judge=_judge_allreduce,
 )

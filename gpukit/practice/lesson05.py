@@ -125,7 +125,8 @@ checkpoint_functions = save, resume
         "save and load optimizer.state_dict() and scheduler.state_dict() beside model.state_dict()",
     ),
     wrong_answers=(
-        WrongAnswer("""def save(path, model, optimizer, scheduler):
+        WrongAnswer(
+            """def save(path, model, optimizer, scheduler):
     torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, path)
 
 
@@ -136,8 +137,11 @@ def resume(path, model, optimizer, scheduler):
 
 
 checkpoint_functions = save, resume
-""", "the optimizer's momentum restarted from zero"),
-        WrongAnswer("""def save(path, model, optimizer, scheduler):
+""",
+            "the optimizer's momentum restarted from zero",
+        ),
+        WrongAnswer(
+            """def save(path, model, optimizer, scheduler):
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
 
 
@@ -148,7 +152,9 @@ def resume(path, model, optimizer, scheduler):
 
 
 checkpoint_functions = save, resume
-""", "the learning-rate schedule restarted"),
+""",
+            "the learning-rate schedule restarted",
+        ),
     ),
 )
 
@@ -229,17 +235,23 @@ def save_atomic(state, path):
         "torch.save into path + '.tmp', then os.replace(temporary, path)",
     ),
     wrong_answers=(
-        WrongAnswer("""def save_atomic(state, path):
+        WrongAnswer(
+            """def save_atomic(state, path):
     torch.save(state, path)
-""", "the previous checkpoint was damaged"),
-        WrongAnswer("""import os
+""",
+            "the previous checkpoint was damaged",
+        ),
+        WrongAnswer(
+            """import os
 
 
 def save_atomic(state, path):
     if os.path.exists(path):
         os.remove(path)  # make room for the new file
     torch.save(state, path)
-""", "the previous checkpoint was damaged"),
+""",
+            "the previous checkpoint was damaged",
+        ),
     ),
     judge=_judge_atomic,
 )

@@ -79,12 +79,18 @@ mean. **Fix `my_loss`.** The check trains a small network on a table with it and
         "compare outputs[:, 0] (or outputs.squeeze(1)) with the target",
     ),
     wrong_answers=(
-        WrongAnswer("""def my_loss(outputs, target):
+        WrongAnswer(
+            """def my_loss(outputs, target):
     return ((outputs - target) ** 2).sum() / len(target)
-""", "broadcasts to (B, B)"),
-        WrongAnswer("""def my_loss(outputs, target):
+""",
+            "broadcasts to (B, B)",
+        ),
+        WrongAnswer(
+            """def my_loss(outputs, target):
     return (outputs[:, 0] - target).mean()
-""", "smallest where each output equals its own target"),
+""",
+            "smallest where each output equals its own target",
+        ),
     ),
     judge=_judge_loss,
 )
@@ -143,12 +149,18 @@ once.""",
         "return ((outputs - target).abs() < 0.5).float().mean()",
     ),
     wrong_answers=(
-        WrongAnswer("""def within_half(outputs, target):
+        WrongAnswer(
+            """def within_half(outputs, target):
     return ((outputs - target).abs() < 0.5).float().sum()
-""", "return the batch's mean, not its sum"),
-        WrongAnswer("""def within_half(outputs, target):
+""",
+            "return the batch's mean, not its sum",
+        ),
+        WrongAnswer(
+            """def within_half(outputs, target):
     return 100 * ((outputs - target).abs() < 0.5).float().mean()
-""", "not a percentage"),
+""",
+            "not a percentage",
+        ),
     ),
     judge=_judge_metric,
 )

@@ -58,18 +58,23 @@ flops_per_token_prediction = 6 * matmul_weights + 12 * depth * tokens * width
     ),
     wrong_answers=(
         WrongAnswer("flops_per_token_prediction = 6 * (2 * 12 * 64**2 + 256 * 64)", "attention's scores"),
-        WrongAnswer("flops_per_token_prediction = 2 * (6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 256 * 64)",
-                    "twice the counted"),  # fmt: skip
-        WrongAnswer("flops_per_token_prediction = 2 * (2 * 12 * 64**2 + 256 * 64) + 4 * 2 * 256 * 64",
-                    "the forward pass only"),  # fmt: skip
+        WrongAnswer(
+            "flops_per_token_prediction = 2 * (6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 256 * 64)",
+            "twice the counted",
+        ),  # fmt: skip
+        WrongAnswer(
+            "flops_per_token_prediction = 2 * (2 * 12 * 64**2 + 256 * 64) + 4 * 2 * 256 * 64", "the forward pass only"
+        ),  # fmt: skip
     ),
     measure=_measure_flops_per_token,
     what="the counted FLOPs per token",
     unit=" FLOP",
     floor=0.1,  # the rule leaves out LayerNorms, softmax and the loss
     mistakes=(
-        Mistake((6 * (2 * 12 * 64**2 + 256 * 64)) / (6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 256 * 64),
-                "too low by about attention's scores and weighted sum: add 12·L·T·d per token, which grows with T"),  # fmt: skip
+        Mistake(
+            (6 * (2 * 12 * 64**2 + 256 * 64)) / (6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 256 * 64),
+            "too low by about attention's scores and weighted sum: add 12·L·T·d per token, which grows with T",
+        ),  # fmt: skip
         Mistake(2.0, "twice the counted: 6 FLOPs per weight and token (2 forward, 4 backward), not 12"),
         Mistake(1 / 3, "a third: the forward pass only; the backward costs twice the forward"),
         Mistake(0.5, "half: did you count one FLOP per multiply-add (it is 2)?"),
@@ -120,8 +125,11 @@ growth_prediction = 256 / 64
     unit="x",
     floor=0.05,
     mistakes=(
-        Mistake(4.0, "16x is T²: that is the (B, heads, T, T) matrix a hand-written attention saves; the fused "
-                "kernel keeps (B, heads, T) statistics, so every saved tensor grows linearly with T"),  # fmt: skip
+        Mistake(
+            4.0,
+            "16x is T²: that is the (B, heads, T, T) matrix a hand-written attention saves; the fused "
+            "kernel keeps (B, heads, T) statistics, so every saved tensor grows linearly with T",
+        ),  # fmt: skip
         Mistake(2.0, "twice the measured: every saved tensor is (B, T, …): 4x the tokens, 4x the bytes"),
         Mistake(0.5, "half the measured: the bytes grow in proportion to the tokens"),
     ),
@@ -141,7 +149,8 @@ def _variants(q, k, v) -> dict[str, torch.Tensor]:
         "without the 1/√d scale": torch.softmax(masked(scores, causal), -1) @ v,
         "without the causal mask": torch.softmax(scores / math.sqrt(q.shape[-1]), -1) @ v,
         "with the mask the wrong way round": torch.softmax(masked(scores / math.sqrt(q.shape[-1]), causal.T), -1) @ v,
-        "with softmax over the queries (dim -2)": torch.softmax(masked(scores / math.sqrt(q.shape[-1]), causal), -2) @ v,
+        "with softmax over the queries (dim -2)": torch.softmax(masked(scores / math.sqrt(q.shape[-1]), causal), -2)
+        @ v,
     }
 
 
@@ -203,25 +212,34 @@ def causal_attention(q, k, v):
         "torch.ones(T, T, dtype=torch.bool).tril() is True where a query may see a key; scores.masked_fill(~mask, -inf)",
     ),
     wrong_answers=(
-        WrongAnswer("""def causal_attention(q, k, v):
+        WrongAnswer(
+            """def causal_attention(q, k, v):
     scores = q @ k.transpose(-2, -1)
     mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-""", "divide the scores q·kᵀ by √d"),
-        WrongAnswer("""import math
+""",
+            "divide the scores q·kᵀ by √d",
+        ),
+        WrongAnswer(
+            """import math
 
 
 def causal_attention(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
-""", "set the scores above the diagonal to -inf"),
-        WrongAnswer("""import math
+""",
+            "set the scores above the diagonal to -inf",
+        ),
+        WrongAnswer(
+            """import math
 
 
 def causal_attention(q, k, v):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).triu()
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-""", "keep the scores on and below the diagonal"),
+""",
+            "keep the scores on and below the diagonal",
+        ),
     ),
     judge=_judge_attention,
 )

@@ -64,22 +64,31 @@ largest_prediction = int((24 * 2**20 - fixed) // per_image)
         "per_image = (peak(32) - peak(8)) / 24; fixed = peak(8) - 8 · per_image; (budget - fixed) // per_image",
     ),
     wrong_answers=(
-        WrongAnswer("""images = torch.randn(32, 3, 32, 32)
+        WrongAnswer(
+            """images = torch.randn(32, 3, 32, 32)
 peak = gk.memory.breakdown(gk.models.fast_cnn(8), images, optimizer="adamw", device=env.device).total
 largest_prediction = 2 * int(24 * 2**20 / (peak / 32))
-""", "twice the measured largest"),
-        WrongAnswer("""images = torch.randn(32, 3, 32, 32)
+""",
+            "twice the measured largest",
+        ),
+        WrongAnswer(
+            """images = torch.randn(32, 3, 32, 32)
 peak = gk.memory.breakdown(gk.models.fast_cnn(8), images, optimizer="adamw", device=env.device).total
 largest_prediction = int(24 * 2**20 / (peak / 32)) / 2
-""", "half the measured largest"),
+""",
+            "half the measured largest",
+        ),
     ),
     measure=_measure_largest,
     what="the measured largest batch",
     unit=" images",
     floor=0.05,  # leaving out the fixed part, or rounding, moves the answer by a few percent
     mistakes=(
-        Mistake(2.0, "twice the measured largest: a step of that batch would need about twice the budget: the part "
-                "per image is the activations of one image, counted once"),  # fmt: skip
+        Mistake(
+            2.0,
+            "twice the measured largest: a step of that batch would need about twice the budget: the part "
+            "per image is the activations of one image, counted once",
+        ),  # fmt: skip
         Mistake(0.5, "half the measured largest: a batch twice as large still fits: did you count each image twice?"),
     ),
 )
@@ -136,8 +145,9 @@ step_line = Exercise(
 `gk.hardware.plan` predicts a step's time from steps it timed at other batch sizes: a **fixed time per step** plus a
 **time per example**, the line through them (section 2, "How far to trust it"). Write `predict_step_time(timed,
 batch)`: `timed` maps batch sizes to measured seconds per step; return the seconds the least-squares line through
-those points gives at `batch`. The check times `fast_cnn(8)`'s training step here at batches {", ".join(map(str,
-TIMED))} and {UNSEEN}, interleaved, gives your function the first three, and compares its prediction with the line
+those points gives at `batch`. The check times `fast_cnn(8)`'s training step here at batches {
+        ", ".join(map(str, TIMED))
+    } and {UNSEEN}, interleaved, gives your function the first three, and compares its prediction with the line
 and with the step at {UNSEEN}.""",
     starter="""def predict_step_time(timed, batch):
     ...  # seconds at `batch` on the least-squares line through timed = {batch size: seconds per step}
@@ -157,15 +167,21 @@ and with the step at {UNSEEN}.""",
         "fixed = s̄ - slope · b̄; return fixed + slope · batch",
     ),
     wrong_answers=(
-        WrongAnswer("""def predict_step_time(timed, batch):
+        WrongAnswer(
+            """def predict_step_time(timed, batch):
     largest = max(timed)
     return timed[largest] * batch / largest
-""", "your line goes through the origin"),
-        WrongAnswer("""def predict_step_time(timed, batch):
+""",
+            "your line goes through the origin",
+        ),
+        WrongAnswer(
+            """def predict_step_time(timed, batch):
     (small, *_, large) = sorted(timed)
     per_example = (timed[large] - timed[small]) / (large - small)
     return 2 * (timed[small] + per_example * (batch - small))
-""", "fit both a fixed time per step and a time per example"),
+""",
+            "fit both a fixed time per step and a time per example",
+        ),
     ),
     judge=_judge_line,
 )

@@ -136,12 +136,18 @@ fallen from its start; section 5). The check trains both here and compares.""",
         f"return {BASE_LR} * batch_size / {SMALL}",
     ),
     wrong_answers=(
-        WrongAnswer(f"""def lr_for(batch_size):
+        WrongAnswer(
+            f"""def lr_for(batch_size):
     return {BASE_LR}
-""", "scale the lr with the batch"),
-        WrongAnswer(f"""def lr_for(batch_size):
+""",
+            "scale the lr with the batch",
+        ),
+        WrongAnswer(
+            f"""def lr_for(batch_size):
     return {BASE_LR} * (batch_size / {SMALL}) ** 2
-""", "it diverged"),
+""",
+            "it diverged",
+        ),
     ),
     judge=_judge_lr,
 )
@@ -163,7 +169,9 @@ def _judge_groups(decay_groups) -> Verdict:
         decayed = not torch.equal(new, old)
         if decayed != (old.dim() > 1):
             wrong.append(f"{name} ({old.dim()}-D: {'decayed' if decayed else 'not decayed'})")
-    shown = f"one AdamW step without gradients, measured here, decayed {sum(1 for _ in model.parameters()) - len(wrong)}"
+    shown = (
+        f"one AdamW step without gradients, measured here, decayed {sum(1 for _ in model.parameters()) - len(wrong)}"
+    )
     shown += f" of {sum(1 for _ in model.parameters())} parameters as it should"
     if not wrong:
         return Verdict(True, shown + ": every weight matrix and filter, no bias or norm parameter")
@@ -203,16 +211,22 @@ which parameters moved.""",
         "[{'params': [p with p.dim() > 1], 'weight_decay': weight_decay}, {'params': [the rest], 'weight_decay': 0.0}]",
     ),
     wrong_answers=(
-        WrongAnswer("""def decay_groups(model, weight_decay):
+        WrongAnswer(
+            """def decay_groups(model, weight_decay):
     return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
-""", "biases and norm parameters must not decay"),
-        WrongAnswer("""def decay_groups(model, weight_decay):
+""",
+            "biases and norm parameters must not decay",
+        ),
+        WrongAnswer(
+            """def decay_groups(model, weight_decay):
     parameters = list(model.parameters())
     return [
         {"params": [p for p in parameters if p.dim() > 2], "weight_decay": weight_decay},
         {"params": [p for p in parameters if p.dim() <= 2], "weight_decay": 0.0},
     ]
-""", "weight matrices and filters must decay"),
+""",
+            "weight matrices and filters must decay",
+        ),
     ),
     judge=_judge_groups,
 )

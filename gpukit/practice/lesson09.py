@@ -127,14 +127,20 @@ CNN's request alone and in a batch, compares the answers, and compares the model
         "model.eval(), and the call inside torch.inference_mode()",
     ),
     wrong_answers=(
-        WrongAnswer("""def serve(model, images):
+        WrongAnswer(
+            """def serve(model, images):
     with torch.inference_mode():
         return model(images)
-""", "call model.eval() before serving"),
-        WrongAnswer("""def serve(model, images):
+""",
+            "call model.eval() before serving",
+        ),
+        WrongAnswer(
+            """def serve(model, images):
     model.eval()
     return model(images)
-""", "wrap the call in torch.inference_mode()"),
+""",
+            "wrap the call in torch.inference_mode()",
+        ),
     ),
     judge=_judge_serving,
 )

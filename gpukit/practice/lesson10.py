@@ -151,17 +151,23 @@ def save_in_background(state_dict, path):
         "a copy: {name: value.detach().to('cpu', copy=True) for name, value in state_dict.items()}",
     ),
     wrong_answers=(
-        WrongAnswer("""import threading
+        WrongAnswer(
+            """import threading
 
 
 def save_in_background(state_dict, path):
     thread = threading.Thread(target=torch.save, args=(state_dict, path))
     thread.start()
     return thread
-""", "copy the state"),
-        WrongAnswer("""def save_in_background(state_dict, path):
+""",
+            "copy the state",
+        ),
+        WrongAnswer(
+            """def save_in_background(state_dict, path):
     torch.save({name: value.detach().clone() for name, value in state_dict.items()}, path)
-""", "training waited for the write"),
+""",
+            "training waited for the write",
+        ),
     ),
     judge=_judge_background,
 )

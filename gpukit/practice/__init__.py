@@ -22,8 +22,20 @@ from .exercise import KINDS, Exercise, Mistake, Prediction, Verdict, WrongAnswer
 __all__ = ["KINDS", "LESSONS", "Exercise", "Mistake", "Prediction", "Verdict", "WrongAnswer", "lessons", "progress"]
 
 # One module per lesson, in reading order.
-LESSONS = ("lesson00", "lesson01", "lesson02", "lesson03", "lesson04", "lesson05", "lesson06", "lesson06b",
-           "lesson07", "lesson08", "lesson09", "lesson10")  # fmt: skip
+LESSONS = (
+    "lesson00",
+    "lesson01",
+    "lesson02",
+    "lesson03",
+    "lesson04",
+    "lesson05",
+    "lesson06",
+    "lesson06b",
+    "lesson07",
+    "lesson08",
+    "lesson09",
+    "lesson10",
+)
 
 
 def lessons() -> list[ModuleType]:

@@ -21,8 +21,12 @@ SECTION = "## Practice"
 
 def _cell(kind: str, source: str, key: str, role: str) -> dict:
     cell_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"practice-{key}-{role}")[:64]
-    cell = {"cell_type": kind, "id": cell_id, "metadata": {"gpukit": {"exercise": key, "role": role}},
-            "source": source.strip("\n").splitlines(keepends=True)}  # fmt: skip
+    cell = {
+        "cell_type": kind,
+        "id": cell_id,
+        "metadata": {"gpukit": {"exercise": key, "role": role}},
+        "source": source.strip("\n").splitlines(keepends=True),
+    }
     if kind == "code":
         cell |= {"execution_count": None, "outputs": []}
     return cell
@@ -76,11 +80,16 @@ def insert(notebook: dict, lesson: ModuleType) -> dict:
     """`notebook` with `lesson`'s Practice section before the markdown cell whose first line is `lesson.BEFORE`
     (the lesson's closing section), replacing any Practice cells inserted before. Returns the notebook, changed."""
     kept = [cell for cell in notebook["cells"] if _role(cell) is None]
-    headings = [i for i, cell in enumerate(kept) if cell["cell_type"] == "markdown"
-                and "".join(cell["source"]).splitlines()[:1] == [lesson.BEFORE]]  # fmt: skip
+    headings = [
+        i
+        for i, cell in enumerate(kept)
+        if cell["cell_type"] == "markdown" and "".join(cell["source"]).splitlines()[:1] == [lesson.BEFORE]
+    ]
     if len(headings) != 1:
-        raise ValueError(f"{lesson.LESSON}: expected one markdown cell starting {lesson.BEFORE!r}, found {len(headings)}; "
-                         "set BEFORE in its gpukit.practice module to the heading the Practice section goes before")  # fmt: skip
+        raise ValueError(
+            f"{lesson.LESSON}: expected one markdown cell starting {lesson.BEFORE!r}, found {len(headings)}; "
+            "set BEFORE in its gpukit.practice module to the heading the Practice section goes before"
+        )
     at = headings[0]
     notebook["cells"] = kept[:at] + practice_cells(lesson) + kept[at:]
     return notebook

@@ -211,12 +211,27 @@ class Prediction(Exercise):
             answer = answer.item()
         if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
             return Verdict(False, f"give {self.answer} as a finite number, not {answer!r}")
-        return compare(answer, self.measure(), floor=0.0 if self.integer else self.floor, mistakes=self.mistakes,
-                       what=self.what, unit=self.unit, advice=self.hints[0])  # fmt: skip
+        return compare(
+            answer,
+            self.measure(),
+            floor=0.0 if self.integer else self.floor,
+            mistakes=self.mistakes,
+            what=self.what,
+            unit=self.unit,
+            advice=self.hints[0],
+        )
 
 
-def compare(answer: float, samples: Sequence[float], *, floor: float, mistakes: Sequence[Mistake] = (), what: str,
-            unit: str = "", advice: str) -> Verdict:  # fmt: skip
+def compare(
+    answer: float,
+    samples: Sequence[float],
+    *,
+    floor: float,
+    mistakes: Sequence[Mistake] = (),
+    what: str,
+    unit: str = "",
+    advice: str,
+) -> Verdict:
     """Judge `answer` against the median of `samples` measured here, within tolerance_from(samples, floor): the line
     says the ratio, what was measured and what was allowed, and on a miss the listed mistake nearest to the ratio, or
     which way it missed and `advice`."""

@@ -99,8 +99,11 @@ def _judge_scaling(backward_in_fp16) -> Verdict:
     model.register_forward_hook(lambda layer, args, output: dtypes.append(output.dtype))
     backward_in_fp16(model, inputs, labels)
     if dtypes != [torch.float16]:
-        return Verdict(False, f"your forward pass ran in {dtypes or 'nothing'}, not once in float16: keep fp16 "
-                              "autocast (bf16 would need no scaling: fp16 does, and that is the exercise)")  # fmt: skip
+        return Verdict(
+            False,
+            f"your forward pass ran in {dtypes or 'nothing'}, not once in float16: keep fp16 "
+            "autocast (bf16 would need no scaling: fp16 does, and that is the exercise)",
+        )
     got = _gradients(model)
     nonzero = expected != 0
     lost = ((got == 0) & nonzero).sum().item() / nonzero.sum().item()
@@ -110,11 +113,17 @@ def _judge_scaling(backward_in_fp16) -> Verdict:
         return Verdict(True, shown + " (allowed 1% and 0.01)")
     size = (got.norm() / expected.norm()).item()
     if lost <= 0.01 and size > 2:
-        return Verdict(False, f"{shown}: your gradients are {size:.3g}x fp32's: divide them by the scale after "
-                              "backward (GradScaler.unscale_ does)")  # fmt: skip
-    return Verdict(False, f"{shown}: the gradients here are far below 2^-24, fp16's smallest number: multiply the loss "
-                          "by a large scale before backward (GradScaler starts at 2^16), divide the gradients by it "
-                          "after")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: your gradients are {size:.3g}x fp32's: divide them by the scale after "
+            "backward (GradScaler.unscale_ does)",
+        )
+    return Verdict(
+        False,
+        f"{shown}: the gradients here are far below 2^-24, fp16's smallest number: multiply the loss "
+        "by a large scale before backward (GradScaler starts at 2^16), divide the gradients by it "
+        "after",
+    )
 
 
 loss_scaling = Exercise(

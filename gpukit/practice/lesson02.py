@@ -87,17 +87,25 @@ def _judge_feeding(make_loader) -> Verdict:
     loader = make_loader(slow, FEED_BATCH)
     images = next(iter(loader))[0]
     if tuple(images.shape) != (FEED_BATCH, 3, 32, 32):
-        return Verdict(False, f"your loader's batches are {tuple(images.shape)}, not ({FEED_BATCH}, 3, 32, 32): keep "
-                              "the batch and the images, change how they are read")  # fmt: skip
+        return Verdict(
+            False,
+            f"your loader's batches are {tuple(images.shape)}, not ({FEED_BATCH}, 3, 32, 32): keep "
+            "the batch and the images, change how they are read",
+        )
     model = models.fast_cnn(8)
     diagnosis = data.diagnose(loader, model, steps=4, warmup=1, device=detect().device)
-    shown = (f"{diagnosis.verdict}: the loader alone {diagnosis.loader_steps_per_second:.3g} batches/s, the step "
-             f"alone {diagnosis.step_steps_per_second:.3g}/s; {diagnosis.data_wait_fraction:.0%} of the time waiting")  # fmt: skip
+    shown = (
+        f"{diagnosis.verdict}: the loader alone {diagnosis.loader_steps_per_second:.3g} batches/s, the step "
+        f"alone {diagnosis.step_steps_per_second:.3g}/s; {diagnosis.data_wait_fraction:.0%} of the time waiting"
+    )
     if not diagnosis.input_bound:
         return Verdict(True, shown)
-    return Verdict(False, f"{shown}: still input-bound: the loader must deliver batches faster than the step uses "
-                          "them: read each image's wait in parallel with more workers, or read them once and keep "
-                          "them in memory")  # fmt: skip
+    return Verdict(
+        False,
+        f"{shown}: still input-bound: the loader must deliver batches faster than the step uses "
+        "them: read each image's wait in parallel with more workers, or read them once and keep "
+        "them in memory",
+    )
 
 
 feed_the_step = Exercise(

@@ -92,11 +92,16 @@ def _measure_block_activations() -> list[float]:
     # Saved-tensor hooks see every tensor autograd keeps for backward in one real forward pass (gk.memory.saved_bytes:
     # each storage once, parameters and buffers excluded); the loss is a mean, which saves nothing.
     seed_everything(0)
-    block = nn.Sequential(nn.Conv2d(BLOCK_CHANNELS, BLOCK_CHANNELS, 3, padding=1), nn.BatchNorm2d(BLOCK_CHANNELS),
-                          nn.GELU())  # fmt: skip
+    block = nn.Sequential(
+        nn.Conv2d(BLOCK_CHANNELS, BLOCK_CHANNELS, 3, padding=1), nn.BatchNorm2d(BLOCK_CHANNELS), nn.GELU()
+    )
     inputs = torch.randn(BLOCK_BATCH, BLOCK_CHANNELS, 32, 32)
-    saved = memory.saved_bytes(block, (inputs, torch.zeros(BLOCK_BATCH)), loss_fn=lambda outputs, target: outputs.mean(),
-                               device=detect().device)  # fmt: skip
+    saved = memory.saved_bytes(
+        block,
+        (inputs, torch.zeros(BLOCK_BATCH)),
+        loss_fn=lambda outputs, target: outputs.mean(),
+        device=detect().device,
+    )
     return [float(saved)]
 
 
@@ -166,14 +171,20 @@ def _judge_budget(make_it_fit) -> Verdict:
     model, precision = answer
     expected = models.count_parameters(models.fast_cnn(width))
     if models.count_parameters(model) != expected:
-        return Verdict(False, f"you changed the model ({models.count_parameters(model):,} parameters, the lesson's "
-                              f"has {expected:,}): keep the network and the batch, change how the step runs")  # fmt: skip
+        return Verdict(
+            False,
+            f"you changed the model ({models.count_parameters(model):,} parameters, the lesson's "
+            f"has {expected:,}): keep the network and the batch, change how the step runs",
+        )
     peak = _peak(model, precision)
     shown = f"peak {format_bytes(peak)} against a budget of {format_bytes(budget)} (the shipped step: {format_bytes(shipped)})"
     if peak <= budget:
         return Verdict(True, shown)
-    advice = ("tf32 changes how fp32 matmuls round, not what is stored" if precision == "tf32" else
-              "the saved activations are most of this step: store fewer of them, or store them in 16 bits")  # fmt: skip
+    advice = (
+        "tf32 changes how fp32 matmuls round, not what is stored"
+        if precision == "tf32"
+        else "the saved activations are most of this step: store fewer of them, or store them in 16 bits"
+    )
     return Verdict(False, f"{shown}: still {peak / budget:.2f}x the budget: {advice}")
 
 
@@ -261,8 +272,11 @@ def _judge_accumulation(accumulate) -> Verdict:
     accumulate(model, images, labels, MICRO_BATCHES)
     got = _gradients(model)
     if max(seen, default=0) > len(images) // MICRO_BATCHES:
-        return Verdict(False, f"a forward pass ran on {max(seen)} images at once: run each micro-batch of "
-                              f"{len(images) // MICRO_BATCHES} separately, so that only its activations are held")  # fmt: skip
+        return Verdict(
+            False,
+            f"a forward pass ran on {max(seen)} images at once: run each micro-batch of "
+            f"{len(images) // MICRO_BATCHES} separately, so that only its activations are held",
+        )
     error = ((got - expected).norm() / expected.norm()).item()
     shown = f"your gradients differ from the whole batch's by {error:.2g} (relative; allowed 1e-5)"
     if error <= 1e-5:
@@ -272,13 +286,22 @@ def _judge_accumulation(accumulate) -> Verdict:
     part = len(images) // MICRO_BATCHES
     nn.functional.cross_entropy(last(images[-part:]), labels[-part:]).backward()
     if min(((got - scale * _gradients(last)).norm() / got.norm()).item() for scale in (1, 1 / MICRO_BATCHES)) < 1e-4:
-        return Verdict(False, f"{shown}: only the last micro-batch's gradient is left: zero the gradients once, "
-                              "before the loop, not inside it")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: only the last micro-batch's gradient is left: zero the gradients once, "
+            "before the loop, not inside it",
+        )
     if abs(ratio - MICRO_BATCHES) < 0.01 * MICRO_BATCHES:
-        return Verdict(False, f"{shown}: your gradients are {ratio:.2f}x the whole batch's: the loss is a mean, so "
-                              f"divide each micro-batch's loss by the number of micro-batches ({MICRO_BATCHES})")  # fmt: skip
-    return Verdict(False, f"{shown}, {ratio:.2f}x its size: each micro-batch's loss / {MICRO_BATCHES}, backward, "
-                          "and the gradients add up")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: your gradients are {ratio:.2f}x the whole batch's: the loss is a mean, so "
+            f"divide each micro-batch's loss by the number of micro-batches ({MICRO_BATCHES})",
+        )
+    return Verdict(
+        False,
+        f"{shown}, {ratio:.2f}x its size: each micro-batch's loss / {MICRO_BATCHES}, backward, "
+        "and the gradients add up",
+    )
 
 
 accumulate_by_hand = Exercise(

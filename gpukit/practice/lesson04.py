@@ -30,8 +30,9 @@ def _launch(fn, *args) -> list:
     # The first optimizer a process builds imports torch._dynamo (seconds): do it here once, so that forked
     # workers inherit it instead of each importing it again.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    return distributed.launch(fn, workers, *args, backend=backend,
-                              start_method=distributed.fastest_start_method(), timeout=300)  # fmt: skip
+    return distributed.launch(
+        fn, workers, *args, backend=backend, start_method=distributed.fastest_start_method(), timeout=300
+    )
 
 
 # --- 1 · predict: the bytes DDP all-reduces ------------------------------------------------------------------------
@@ -41,8 +42,17 @@ def _count_allreduced(train) -> int:
     worker = distributed.setup()
     model = _network()
     with distributed.count_collectives() as sent:  # every collective this rank issues, at torch's dispatcher
-        fit(model, train, batch_size=MICRO_BATCH, accumulate=ACCUMULATE, max_steps=STEPS, lr=0.01, device=worker.device,
-            progress=False, log_every=STEPS)  # fmt: skip
+        fit(
+            model,
+            train,
+            batch_size=MICRO_BATCH,
+            accumulate=ACCUMULATE,
+            max_steps=STEPS,
+            lr=0.01,
+            device=worker.device,
+            progress=False,
+            log_every=STEPS,
+        )
     distributed.cleanup()
     return sent.bytes("allreduce")
 
@@ -80,7 +90,7 @@ allreduced_prediction = {STEPS} * 4 * parameters
         WrongAnswer(
             f"allreduced_prediction = {STEPS * ACCUMULATE} * 4 * ((3072 * 128 + 128) + (128 * 10 + 10))",
             "inside no_sync()",
-        ),  # fmt: skip
+        ),
         WrongAnswer(
             f"allreduced_prediction = {STEPS} * 8 * ((3072 * 128 + 128) + (128 * 10 + 10))", "twice the counted"
         ),
@@ -94,7 +104,7 @@ allreduced_prediction = {STEPS} * 4 * parameters
             float(ACCUMULATE),
             "once per micro-batch? fit runs the first k - 1 micro-batches of each step inside "
             "no_sync(): DDP all-reduces once per optimizer step",
-        ),  # fmt: skip
+        ),
         Mistake(2.0, "twice the counted: the gradients are fp32, 4 bytes each; all_reduce is handed each one once"),
         Mistake(0.5, "half the counted: the gradients are fp32 (4 bytes), not 16-bit"),
     ),
@@ -109,8 +119,10 @@ HAND_STEPS = 3
 def _train_both_ways(average_gradients) -> dict:
     worker = distributed.setup()
     generator = torch.Generator().manual_seed(worker.rank)  # each rank its own images
-    batches = [(torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator))
-               for _ in range(HAND_STEPS)]  # fmt: skip
+    batches = [
+        (torch.randn(16, 3, 32, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+        for _ in range(HAND_STEPS)
+    ]
     by_hand, ddp = _network().to(worker.device), distributed.data_parallel(_network().to(worker.device))
     start = [parameter.detach().clone() for parameter in by_hand.parameters()]
     for model in (by_hand, ddp):
@@ -134,19 +146,29 @@ def _judge_allreduce(average_gradients) -> Verdict:
     ddp = torch.cat([t.flatten() for t in ranks[0]["ddp"]])
     disagree = max((moved - flat[0]).abs().max().item() for moved in flat)
     difference = (flat[0] - ddp).abs().max().item()
-    shown = (f"after {HAND_STEPS} steps your ranks differ by {disagree:.2g} and rank 0 differs from DDP by "
-             f"{difference:.2g} (allowed 1e-5)")  # fmt: skip
+    shown = (
+        f"after {HAND_STEPS} steps your ranks differ by {disagree:.2g} and rank 0 differs from DDP by "
+        f"{difference:.2g} (allowed 1e-5)"
+    )
     if disagree <= 1e-5 and difference <= 1e-5:
         return Verdict(True, shown)
     if disagree > 1e-5:
-        return Verdict(False, f"{shown}: the ranks ended with different parameters: each stepped with its own "
-                              "gradient; all-reduce every gradient, so that all ranks hold the same one")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: the ranks ended with different parameters: each stepped with its own "
+            "gradient; all-reduce every gradient, so that all ranks hold the same one",
+        )
     size = (flat[0].norm() / ddp.norm()).item()
     if abs(size - len(ranks)) < 0.1 * len(ranks):
-        return Verdict(False, f"{shown}: your updates are {size:.2f}x DDP's: all_reduce sums the gradients; divide "
-                              "by the world size for their mean")  # fmt: skip
-    return Verdict(False, f"{shown}: your updates are {size:.2f}x DDP's: every rank must step with the mean of all "
-                          "ranks' gradients")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: your updates are {size:.2f}x DDP's: all_reduce sums the gradients; divide "
+            "by the world size for their mean",
+        )
+    return Verdict(
+        False,
+        f"{shown}: your updates are {size:.2f}x DDP's: every rank must step with the mean of all ranks' gradients",
+    )
 
 
 allreduce_by_hand = Exercise(

@@ -32,8 +32,9 @@ def _training_objects():
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator))
-            for _ in range(RESUME_STEPS)]  # fmt: skip
+    return [
+        (torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator)) for _ in range(RESUME_STEPS)
+    ]
 
 
 def _train(objects, batches) -> None:
@@ -65,11 +66,17 @@ def _judge_resume(save, resume) -> Verdict:
     if difference == 0:
         return Verdict(True, shown + ": bit for bit")
     if not restored[0]:
-        return Verdict(False, f"{shown}: the optimizer's momentum restarted from zero: save optimizer.state_dict() "
-                              "and load it into the new optimizer")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: the optimizer's momentum restarted from zero: save optimizer.state_dict() "
+            "and load it into the new optimizer",
+        )
     if not restored[1]:
-        return Verdict(False, f"{shown}: the learning-rate schedule restarted (at step {resumed[2].last_epoch - half}"
-                              f", not {half}): save scheduler.state_dict() and load it")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: the learning-rate schedule restarted (at step {resumed[2].last_epoch - half}"
+            f", not {half}): save scheduler.state_dict() and load it",
+        )
     return Verdict(False, f"{shown}: model, optimizer and schedule must all continue from where they stopped")
 
 
@@ -182,14 +189,20 @@ def _judge_atomic(save_atomic) -> Verdict:
         except RuntimeError:
             pass  # the crash; what matters is what it left behind
         if not path.exists():
-            return Verdict(False, "after a crash in the middle of a save, there is no file at the path: the previous "
-                                  "checkpoint is gone; write the new one elsewhere first, then replace")  # fmt: skip
+            return Verdict(
+                False,
+                "after a crash in the middle of a save, there is no file at the path: the previous "
+                "checkpoint is gone; write the new one elsewhere first, then replace",
+            )
         try:
             after = torch.load(path)
         except Exception as error:  # any way the file is unreadable: torch.load's errors differ by damage
-            return Verdict(False, f"after a crash in the middle of a save, torch.load fails ({type(error).__name__}): "
-                                  "the previous checkpoint was damaged; write to a temporary file in the same folder, "
-                                  "then os.replace it over the path")  # fmt: skip
+            return Verdict(
+                False,
+                f"after a crash in the middle of a save, torch.load fails ({type(error).__name__}): "
+                "the previous checkpoint was damaged; write to a temporary file in the same folder, "
+                "then os.replace it over the path",
+            )
         leftovers = sorted(item.name for item in folder.iterdir() if item.name != "last.pt")
     finally:
         shutil.rmtree(folder, ignore_errors=True)

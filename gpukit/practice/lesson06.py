@@ -36,8 +36,17 @@ def _judge_loss(my_loss) -> Verdict:
     features, target = _table()
     split = 768
     model = _regressor()
-    fit(model, torch.utils.data.TensorDataset(features[:split], target[:split]), batch_size=64, epochs=5, lr=1e-2,
-        optimizer="adamw", loss_fn=my_loss, progress=False, device=detect().device)  # fmt: skip
+    fit(
+        model,
+        torch.utils.data.TensorDataset(features[:split], target[:split]),
+        batch_size=64,
+        epochs=5,
+        lr=1e-2,
+        optimizer="adamw",
+        loss_fn=my_loss,
+        progress=False,
+        device=detect().device,
+    )
     model.eval()
     with torch.no_grad():
         predicted = model(features[split:].to(detect().device)).cpu()[:, 0]
@@ -48,10 +57,13 @@ def _judge_loss(my_loss) -> Verdict:
         return Verdict(True, shown)
     values = torch.arange(4.0)  # targets (B,), and outputs (B, 1) that equal them, as fit passes them
     if abs(float(my_loss(values[:, None], values))) > 1e-6:
-        return Verdict(False, f"{shown}: your loss is not 0 where every output equals its target: outputs are (B, 1) "
-                              "and targets (B,), so "
-                              "outputs - target broadcasts to (B, B): every output is pulled towards every target; "
-                              "compare outputs[:, 0] (or outputs.squeeze(1)) with the target")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: your loss is not 0 where every output equals its target: outputs are (B, 1) "
+            "and targets (B,), so "
+            "outputs - target broadcasts to (B, B): every output is pulled towards every target; "
+            "compare outputs[:, 0] (or outputs.squeeze(1)) with the target",
+        )
     return Verdict(False, f"{shown}: the loss must be smallest where each output equals its own target")
 
 
@@ -104,9 +116,19 @@ def _judge_metric(within_half) -> Verdict:
     split = 768
     held_out = torch.utils.data.TensorDataset(features[split:], target[split:, None])
     model = _regressor()
-    history = fit(model, torch.utils.data.TensorDataset(features[:split], target[:split, None]), batch_size=64,
-                  epochs=1, lr=1e-2, optimizer="adamw", loss_fn="mse", metrics={"within_half": within_half},
-                  eval_data=held_out, progress=False, device=detect().device)  # fmt: skip
+    history = fit(
+        model,
+        torch.utils.data.TensorDataset(features[:split], target[:split, None]),
+        batch_size=64,
+        epochs=1,
+        lr=1e-2,
+        optimizer="adamw",
+        loss_fn="mse",
+        metrics={"within_half": within_half},
+        eval_data=held_out,
+        progress=False,
+        device=detect().device,
+    )
     model.eval()
     with torch.no_grad():
         outputs = model(features[split:].to(detect().device)).cpu()
@@ -119,8 +141,11 @@ def _judge_metric(within_half) -> Verdict:
     if 100 * by_hand - 1e-3 <= reported <= 100 * by_hand + 1e-3:
         return Verdict(False, f"{shown}: 100x: give a fraction between 0 and 1, not a percentage")
     if ratio > 2:
-        return Verdict(False, f"{shown} ({ratio:.3g}x): fit averages your metric over the samples of each batch, "
-                              "weighting each batch by its size: return the batch's mean, not its sum")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown} ({ratio:.3g}x): fit averages your metric over the samples of each batch, "
+            "weighting each batch by its size: return the batch's mean, not its sum",
+        )
     return Verdict(False, f"{shown}: count the rows whose |output - target| is below 0.5, over the rows of the batch")
 
 

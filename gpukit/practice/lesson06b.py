@@ -61,10 +61,10 @@ flops_per_token_prediction = 6 * matmul_weights + 12 * depth * tokens * width
         WrongAnswer(
             "flops_per_token_prediction = 2 * (6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 256 * 64)",
             "twice the counted",
-        ),  # fmt: skip
+        ),
         WrongAnswer(
             "flops_per_token_prediction = 2 * (2 * 12 * 64**2 + 256 * 64) + 4 * 2 * 256 * 64", "the forward pass only"
-        ),  # fmt: skip
+        ),
     ),
     measure=_measure_flops_per_token,
     what="the counted FLOPs per token",
@@ -74,7 +74,7 @@ flops_per_token_prediction = 6 * matmul_weights + 12 * depth * tokens * width
         Mistake(
             (6 * (2 * 12 * 64**2 + 256 * 64)) / (6 * (2 * 12 * 64**2 + 256 * 64) + 12 * 2 * 256 * 64),
             "too low by about attention's scores and weighted sum: add 12·L·T·d per token, which grows with T",
-        ),  # fmt: skip
+        ),
         Mistake(2.0, "twice the counted: 6 FLOPs per weight and token (2 forward, 4 backward), not 12"),
         Mistake(1 / 3, "a third: the forward pass only; the backward costs twice the forward"),
         Mistake(0.5, "half: did you count one FLOP per multiply-add (it is 2)?"),
@@ -129,7 +129,7 @@ growth_prediction = 256 / 64
             4.0,
             "16x is T²: that is the (B, heads, T, T) matrix a hand-written attention saves; the fused "
             "kernel keeps (B, heads, T) statistics, so every saved tensor grows linearly with T",
-        ),  # fmt: skip
+        ),
         Mistake(2.0, "twice the measured: every saved tensor is (B, T, …): 4x the tokens, 4x the bytes"),
         Mistake(0.5, "half the measured: the bytes grow in proportion to the tokens"),
     ),
@@ -170,8 +170,11 @@ def _judge_attention(causal_attention) -> Verdict:
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     got = causal_attention(q, k, v)
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return Verdict(False, f"causal_attention(q, k, v) must return a tensor of shape {tuple(expected.shape)} (B, "
-                              f"heads, T, d), got {getattr(got, 'shape', type(got).__name__)}")  # fmt: skip
+        return Verdict(
+            False,
+            f"causal_attention(q, k, v) must return a tensor of shape {tuple(expected.shape)} (B, "
+            f"heads, T, d), got {getattr(got, 'shape', type(got).__name__)}",
+        )
     error = (got - expected).abs().max().item()
     shown = f"your output differs from F.scaled_dot_product_attention(is_causal=True) by {error:.2g} (allowed 1e-5)"
     if error <= 1e-5:

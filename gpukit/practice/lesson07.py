@@ -30,8 +30,10 @@ def _measure_largest() -> list[float]:
     # Two real AdamW steps of fast_cnn(8) in fp32, at batches 8 and 32, measured (gk.memory.breakdown): the peak is a
     # fixed part (weights, gradients, AdamW's state) plus a part per image; the line through them reaches BUDGET at
     # the largest batch.
-    peaks = {b: memory.breakdown(models.fast_cnn(8), _images(b), optimizer="adamw", device=detect().device).total
-             for b in (8, 32)}  # fmt: skip
+    peaks = {
+        b: memory.breakdown(models.fast_cnn(8), _images(b), optimizer="adamw", device=detect().device).total
+        for b in (8, 32)
+    }
     per_image = (peaks[32] - peaks[8]) / 24
     return [float((BUDGET - (peaks[8] - 8 * per_image)) // per_image)]
 
@@ -88,7 +90,7 @@ largest_prediction = int(24 * 2**20 / (peak / 32)) / 2
             2.0,
             "twice the measured largest: a step of that batch would need about twice the budget: the part "
             "per image is the activations of one image, counted once",
-        ),  # fmt: skip
+        ),
         Mistake(0.5, "half the measured largest: a batch twice as large still fits: did you count each image twice?"),
     ),
 )
@@ -117,23 +119,32 @@ def _judge_line(predict_step_time) -> Verdict:
     device = detect().device
     # One thread on a CPU: its own CPU time, which other programs on a busy machine do not inflate (lesson 07).
     clock = time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
-    timings = bench.compare({b: _step(b, device) for b in (*TIMED, UNSEEN)}, device=device, warmup=1, repeats=5,
-                            clock=clock)  # fmt: skip
+    timings = bench.compare(
+        {b: _step(b, device) for b in (*TIMED, UNSEEN)}, device=device, warmup=1, repeats=5, clock=clock
+    )
     timed = {b: timings[b].median for b in TIMED}
     yours = float(predict_step_time(dict(timed), UNSEEN))
     exact = _least_squares(timed, UNSEEN)
     if abs(yours - exact) > 1e-6 * abs(exact):
         ratio = yours / exact
-        slip = ("your line goes through the origin: a step also costs a fixed time, whatever its batch"
-                if abs(yours - timed[TIMED[-1]] * UNSEEN / TIMED[-1]) <= 1e-9 * abs(yours) else
-                "fit both a fixed time per step and a time per example, by least squares over every timed point")  # fmt: skip
-        return Verdict(False, f"from the times measured here at batches {', '.join(map(str, TIMED))}, your function "
-                              f"predicts {yours * 1e3:.4g} ms at {UNSEEN}, {ratio:.3g}x the least-squares line's "
-                              f"{exact * 1e3:.4g} ms: {slip}")  # fmt: skip
+        slip = (
+            "your line goes through the origin: a step also costs a fixed time, whatever its batch"
+            if abs(yours - timed[TIMED[-1]] * UNSEEN / TIMED[-1]) <= 1e-9 * abs(yours)
+            else "fit both a fixed time per step and a time per example, by least squares over every timed point"
+        )
+        return Verdict(
+            False,
+            f"from the times measured here at batches {', '.join(map(str, TIMED))}, your function "
+            f"predicts {yours * 1e3:.4g} ms at {UNSEEN}, {ratio:.3g}x the least-squares line's "
+            f"{exact * 1e3:.4g} ms: {slip}",
+        )
     measured = timings[UNSEEN].median
-    return Verdict(True, f"your line through the steps timed here at {', '.join(map(str, TIMED))} predicts "
-                         f"{yours * 1e3:.4g} ms at batch {UNSEEN}; the step measured {measured * 1e3:.4g} ms "
-                         f"({yours / measured:.2f}x, shown, not checked: lesson 07 says how far such lines hold)")  # fmt: skip
+    return Verdict(
+        True,
+        f"your line through the steps timed here at {', '.join(map(str, TIMED))} predicts "
+        f"{yours * 1e3:.4g} ms at batch {UNSEEN}; the step measured {measured * 1e3:.4g} ms "
+        f"({yours / measured:.2f}x, shown, not checked: lesson 07 says how far such lines hold)",
+    )
 
 
 step_line = Exercise(

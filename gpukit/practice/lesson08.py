@@ -89,8 +89,9 @@ def _epoch(batch_size: int, lr: float) -> tuple[float, float]:
     """(first, last) logged loss of one epoch of a small network at `batch_size` and `lr` (SGD, Nesterov)."""
     seed_everything(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
-    history = fit(model, _blobs(), batch_size=batch_size, epochs=1, lr=lr, log_every=1, progress=False,
-                  device=detect().device)  # fmt: skip
+    history = fit(
+        model, _blobs(), batch_size=batch_size, epochs=1, lr=lr, log_every=1, progress=False, device=detect().device
+    )
     return history.losses[0], sum(history.losses[-3:]) / 3  # the end: the last three steps' mean
 
 
@@ -99,15 +100,23 @@ def _judge_lr(lr_for) -> Verdict:
     start, small_end = _epoch(SMALL, BASE_LR)  # the reference, measured here: batch 64 at its own lr
     _, large_end = _epoch(LARGE, lr)
     progress = (start - large_end) / (start - small_end)  # 1: as far in one epoch as the small batch got
-    shown = (f"at batch {LARGE} and lr {lr:.3g}, one epoch took the loss from {start:.3g} to {large_end:.3g}: "
-             f"{progress:.0%} of the way batch {SMALL} at lr {BASE_LR} went ({small_end:.3g}; allowed 60% or more)")  # fmt: skip
+    shown = (
+        f"at batch {LARGE} and lr {lr:.3g}, one epoch took the loss from {start:.3g} to {large_end:.3g}: "
+        f"{progress:.0%} of the way batch {SMALL} at lr {BASE_LR} went ({small_end:.3g}; allowed 60% or more)"
+    )
     if progress >= 0.6:
         return Verdict(True, shown)
     if not large_end < start:
-        return Verdict(False, f"{shown}: it diverged: lr {lr:.3g} is too large; the linear rule scales {BASE_LR} at "
-                              f"batch {SMALL} by the batch's ratio ({LARGE} / {SMALL})")  # fmt: skip
-    return Verdict(False, f"{shown}: the large batch takes {LARGE // SMALL}x fewer steps in an epoch, each too small "
-                          "to make up for them: scale the lr with the batch")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: it diverged: lr {lr:.3g} is too large; the linear rule scales {BASE_LR} at "
+            f"batch {SMALL} by the batch's ratio ({LARGE} / {SMALL})",
+        )
+    return Verdict(
+        False,
+        f"{shown}: the large batch takes {LARGE // SMALL}x fewer steps in an epoch, each too small "
+        "to make up for them: scale the lr with the batch",
+    )
 
 
 large_batch_lr = Exercise(
@@ -176,9 +185,12 @@ def _judge_groups(decay_groups) -> Verdict:
     if not wrong:
         return Verdict(True, shown + ": every weight matrix and filter, no bias or norm parameter")
     one_d = [item for item in wrong if "1-D" in item]
-    what = ("biases and norm parameters must not decay: a group of every 1-D parameter with weight_decay=0"
-            if one_d else "weight matrices and filters must decay: a group of every parameter of 2 dimensions or "
-            "more with weight_decay=weight_decay")  # fmt: skip
+    what = (
+        "biases and norm parameters must not decay: a group of every 1-D parameter with weight_decay=0"
+        if one_d
+        else "weight matrices and filters must decay: a group of every parameter of 2 dimensions or "
+        "more with weight_decay=weight_decay"
+    )
     return Verdict(False, f"{shown}; not so: {', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}: {what}")
 
 

@@ -32,10 +32,16 @@ def _judge_strides(strides) -> Verdict:
         return Verdict(True, shown)
     n, c, h, w = SHAPE
     if answer == (c * h * w, h * w, w, 1):
-        return Verdict(False, f"{shown}: those are the default layout's (NCHW): in channels_last, C moves fastest: "
-                              "the C values of one pixel sit next to each other")  # fmt: skip
-    return Verdict(False, f"{shown}: a stride is how many numbers apart in memory two neighbours along a dimension "
-                          "are; channels_last stores N, H, W, C from slowest to fastest")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}: those are the default layout's (NCHW): in channels_last, C moves fastest: "
+            "the C values of one pixel sit next to each other",
+        )
+    return Verdict(
+        False,
+        f"{shown}: a stride is how many numbers apart in memory two neighbours along a dimension "
+        "are; channels_last stores N, H, W, C from slowest to fastest",
+    )
 
 
 channels_last_strides = Exercise(
@@ -90,15 +96,21 @@ def _judge_serving(serve) -> Verdict:
     difference = (together[:1] - alone).abs().max().item()
     shown = f"request 0's answer alone and in a batch of 16 differ by {difference:.2g} (allowed 1e-4)"
     if moved:
-        return Verdict(False, f"{shown}, and serving changed the model ({moved[0]}, …): in training mode, BatchNorm "
-                              "normalises with each batch's statistics and updates its running ones: call "
-                              "model.eval() before serving")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}, and serving changed the model ({moved[0]}, …): in training mode, BatchNorm "
+            "normalises with each batch's statistics and updates its running ones: call "
+            "model.eval() before serving",
+        )
     if difference > 1e-4:
         return Verdict(False, f"{shown}: an answer must not depend on the requests served beside it: model.eval()")
     if together.requires_grad:
-        return Verdict(False, f"{shown}, but the answers carry an autograd graph (requires_grad): serving builds the "
-                              "graph a backward pass would need, for nothing: wrap the call in "
-                              "torch.inference_mode()")  # fmt: skip
+        return Verdict(
+            False,
+            f"{shown}, but the answers carry an autograd graph (requires_grad): serving builds the "
+            "graph a backward pass would need, for nothing: wrap the call in "
+            "torch.inference_mode()",
+        )
     return Verdict(True, f"{shown}; the model is unchanged and no autograd graph was built")
 
 

@@ -107,18 +107,30 @@ def _judge_background(save_in_background) -> Verdict:
 
 def _background_verdict(saved, asked_for, written, blocked) -> Verdict:
     if saved is None:
-        return Verdict(False, "no file at the path after the thread ended: save_in_background(state, path) must "
-                              "write the state to path (return the started thread, so that the check can join it)")  # fmt: skip
+        return Verdict(
+            False,
+            "no file at the path after the thread ended: save_in_background(state, path) must "
+            "write the state to path (return the started thread, so that the check can join it)",
+        )
     if written and all(written):
-        return Verdict(False, f"the file was written before save_in_background returned ({blocked * 1e3:.3g} ms): "
-                              "training waited for the write; write in a thread, and return while it runs")  # fmt: skip
+        return Verdict(
+            False,
+            f"the file was written before save_in_background returned ({blocked * 1e3:.3g} ms): "
+            "training waited for the write; write in a thread, and return while it runs",
+        )
     same = all(torch.equal(saved[name].cpu(), value) for name, value in asked_for.items())
     if not same:
-        return Verdict(False, "the file holds the weights from after the save began: training changed them in place "
-                              "while the thread wrote them; copy the state (detach().clone(), on the CPU) before "
-                              "handing it to the thread")  # fmt: skip
-    return Verdict(True, f"training waited {blocked * 1e3:.3g} ms, the write ran in another thread, and the file holds "
-                         "the weights as they were when the save was asked for")  # fmt: skip
+        return Verdict(
+            False,
+            "the file holds the weights from after the save began: training changed them in place "
+            "while the thread wrote them; copy the state (detach().clone(), on the CPU) before "
+            "handing it to the thread",
+        )
+    return Verdict(
+        True,
+        f"training waited {blocked * 1e3:.3g} ms, the write ran in another thread, and the file holds "
+        "the weights as they were when the save was asked for",
+    )
 
 
 background_save = Exercise(

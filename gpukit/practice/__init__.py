@@ -39,12 +39,5 @@ LESSONS = (
 
 
 def lessons() -> list[ModuleType]:
-    """Every lesson's exercise module that exists yet, in reading order."""
-    found = []
-    for name in LESSONS:
-        try:
-            found.append(importlib.import_module(f"{__name__}.{name}"))
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-    return found
+    """Every lesson's exercise module, in reading order."""
+    return [importlib.import_module(f"{__name__}.{name}") for name in LESSONS]

@@ -26,6 +26,7 @@ a lesson's exercises with what their last check said.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 import types
 from collections.abc import Callable, Sequence
@@ -209,8 +210,9 @@ class Prediction(Exercise):
     def judge_answer(self, answer: Any) -> Verdict:
         if isinstance(answer, torch.Tensor) and answer.numel() == 1:
             answer = answer.item()
-        if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
+        if isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer):
             return Verdict(False, f"give {self.answer} as a finite number, not {answer!r}")
+        answer = float(answer)  # a NumPy number too
         return compare(
             answer,
             self.measure(),

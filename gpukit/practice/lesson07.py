@@ -10,7 +10,7 @@ import torch
 from .. import bench, memory, models
 from ..env import detect
 from ..step import TrainStep
-from .exercise import Exercise, Mistake, Prediction, Verdict, WrongAnswer
+from .exercise import Exercise, Verdict, WrongAnswer
 from .exercise import progress as _progress
 
 LESSON = "07_choosing_and_watching_a_gpu"
@@ -26,19 +26,46 @@ def _images(count: int) -> torch.Tensor:
 # --- 1 · predict: the largest batch that fits ---------------------------------------------------------------------
 
 
-def _measure_largest() -> list[float]:
-    # Two real AdamW steps of fast_cnn(8) in fp32, at batches 8 and 32, measured (gk.memory.breakdown): the peak is a
-    # fixed part (weights, gradients, AdamW's state) plus a part per image; the line through them reaches BUDGET at
-    # the largest batch.
-    peaks = {
-        b: memory.breakdown(models.fast_cnn(8), _images(b), optimizer="adamw", device=detect().device).total
-        for b in (8, 32)
-    }
-    per_image = (peaks[32] - peaks[8]) / 24
-    return [float((BUDGET - (peaks[8] - 8 * per_image)) // per_image)]
+def _peak(batch: int) -> int:
+    """Bytes at the peak of a real AdamW step of fast_cnn(8) in fp32 on `batch` images, measured (gk.memory.breakdown)."""
+    return memory.breakdown(models.fast_cnn(8), _images(batch), optimizer="adamw", device=detect().device).total
 
 
-largest_batch = Prediction(
+def _judge_largest(largest_prediction) -> Verdict:
+    if isinstance(largest_prediction, bool) or not isinstance(largest_prediction, (int, float)):
+        return Verdict(False, f"give the batch as a number, not {largest_prediction!r}")
+    batch = int(largest_prediction)
+    if batch < 1:
+        return Verdict(False, f"a batch has at least one image, not {largest_prediction!r}")
+    mib = 2**20
+    peak = _peak(batch)
+    if peak > BUDGET:  # measured at the answer itself: it must fit
+        say = "twice the largest: " if peak > 1.8 * BUDGET else ""
+        return Verdict(
+            False,
+            f"a step of {batch} images peaked at {peak / mib:.3g} MiB here, {peak / BUDGET:.2f}x the "
+            f"{BUDGET / mib:.0f} MiB budget: {say}too large; the part of the peak that grows with "
+            "the batch is the activations, counted once per image",
+        )
+    larger = max(batch + 1, round(1.1 * batch))
+    larger_peak = _peak(larger)
+    if larger_peak <= BUDGET:  # and a batch 10% larger must not
+        say = "half the measured largest or less: " if _peak(2 * batch) <= BUDGET else ""
+        return Verdict(
+            False,
+            f"a step of {batch} images fits ({peak / mib:.3g} MiB), but so does one of {larger} "
+            f"({larger_peak / mib:.3g} MiB of {BUDGET / mib:.0f}): {say}not the largest; did you "
+            "count each image twice, or the fixed part (weights, gradients, AdamW's state) as many "
+            "times?",
+        )
+    return Verdict(
+        True,
+        f"a step of {batch} images peaked at {peak / mib:.3g} MiB, within {BUDGET / mib:.0f} MiB, and "
+        f"one of {larger} at {larger_peak / mib:.3g} MiB, beyond it: measured here",
+    )
+
+
+largest_batch = Exercise(
     key="07.largest_batch",
     kind="predict",
     title="the largest batch that fits a memory budget",
@@ -47,7 +74,7 @@ largest_batch = Prediction(
 `gk.models.fast_cnn(8)`, trained with AdamW in fp32 on 32×32 images, on this machine's device, may use a budget of
 **24 MiB** (`24 * 2**20` bytes) at its peak. **Predict the largest batch that fits.** Work it out from what a step
 needs: measure or predict a step at two batch sizes (`gk.memory.breakdown` or `gk.memory.estimate`, lesson 03) and
-draw the line. The check measures real steps here.""",
+draw the line. The check measures real steps here: one at your batch must fit, one 10% larger must not.""",
     starter="""largest_prediction = ...  # the largest batch of fast_cnn(8)'s AdamW step within 24 MiB
 """,
     answer="largest_prediction",
@@ -71,7 +98,7 @@ largest_prediction = int((24 * 2**20 - fixed) // per_image)
 peak = gk.memory.breakdown(gk.models.fast_cnn(8), images, optimizer="adamw", device=env.device).total
 largest_prediction = 2 * int(24 * 2**20 / (peak / 32))
 """,
-            "twice the measured largest",
+            "twice the largest",
         ),
         WrongAnswer(
             """images = torch.randn(32, 3, 32, 32)
@@ -81,18 +108,7 @@ largest_prediction = int(24 * 2**20 / (peak / 32)) / 2
             "half the measured largest",
         ),
     ),
-    measure=_measure_largest,
-    what="the measured largest batch",
-    unit=" images",
-    floor=0.05,  # leaving out the fixed part, or rounding, moves the answer by a few percent
-    mistakes=(
-        Mistake(
-            2.0,
-            "twice the measured largest: a step of that batch would need about twice the budget: the part "
-            "per image is the activations of one image, counted once",
-        ),
-        Mistake(0.5, "half the measured largest: a batch twice as large still fits: did you count each image twice?"),
-    ),
+    judge=_judge_largest,
 )
 
 

@@ -94,7 +94,8 @@ def _judge_serving(serve) -> Verdict:
     alone = serve(model, requests[:1])  # and alone
     moved = [name for name, value in model.state_dict().items() if not torch.equal(value, before[name])]
     difference = (together[:1] - alone).abs().max().item()
-    shown = f"request 0's answer alone and in a batch of 16 differ by {difference:.2g} (allowed 1e-4)"
+    allowed = 1e-3 * (1 + alone.abs().max().item())  # a GPU may convolve a batch of 1 and of 16 by other algorithms
+    shown = f"request 0's answer alone and in a batch of 16 differ by {difference:.2g} (allowed {allowed:.2g})"
     if moved:
         return Verdict(
             False,
@@ -102,7 +103,7 @@ def _judge_serving(serve) -> Verdict:
             "normalises with each batch's statistics and updates its running ones: call "
             "model.eval() before serving",
         )
-    if difference > 1e-4:
+    if difference > allowed:
         return Verdict(False, f"{shown}: an answer must not depend on the requests served beside it: model.eval()")
     if together.requires_grad:
         return Verdict(

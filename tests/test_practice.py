@@ -194,3 +194,29 @@ def test_hints_solution_and_progress_speak_in_plain_lines(capsys):
     assert "practice: " in printed and exercise.key in printed
     with pytest.raises(ValueError, match="hints 1 to"):
         exercise.hint(len(exercise.hints) + 1)
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[lesson.LESSON.split("_")[0] for lesson in LESSONS])
+def test_a_lesson_holding_practice_cells_holds_the_modules_own(lesson):
+    # Once tools/practice_cells.py has inserted them, a lesson's Practice cells are what gpukit/practice says:
+    # an exercise changed in its module and not re-inserted (or a cell edited by hand) fails here.
+    lesson_notebook = notebook(lesson)
+    if not practice_cells.cells_in(lesson_notebook):
+        pytest.skip(f"{lesson.LESSON} holds no Practice cells yet: python tools/practice_cells.py inserts them")
+    assert practice_cells.insert(json.loads(json.dumps(lesson_notebook)), lesson) == lesson_notebook, (
+        f"{lesson.LESSON}: run python tools/practice_cells.py {lesson.LESSON.split('_')[0]}"
+    )
+
+
+@pytest.mark.parametrize("machine", [2.0, 0.5], ids=["2x", "half"])
+def test_the_largest_batch_is_measured_at_the_answer(setups, monkeypatch, machine):
+    # 07.largest_batch judges the learner's batch by real steps at it and 10% above it: on a machine whose steps
+    # took twice (or half) the memory, the batch worked out here must fail.
+    lesson07 = next(lesson for lesson in LESSONS if lesson.LESSON.startswith("07_"))
+    peak = lesson07._peak
+    monkeypatch.setattr(lesson07, "_peak", lambda batch: int(machine * peak(batch)))
+    with pytest.raises(CheckFailed, match="07.largest_batch"):
+        run(
+            lesson07.largest_batch.solution_code + "\n" + cells_for(lesson07, lesson07.largest_batch)["check"],
+            setups(lesson07),
+        )

@@ -33,6 +33,7 @@ LAYERS = [
         "gpukit.jupyter",
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
+        "gpukit.claims",  # gk.check and its kin: a lesson's check in one line
     },
     {
         "gpukit.data",
@@ -49,6 +50,7 @@ LAYERS = [
     {"gpukit.compiling", "gpukit.fp8"},  # regional compilation (uses bench and memory), FP8 numerics
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
+    {"gpukit.practice"},  # the lessons' exercises: their checks train, launch and measure with everything below
     {"gpukit.cli", "gpukit.__main__"},
 ]
 

@@ -86,6 +86,12 @@ def is_check(cell: dict) -> bool:
     return (False in branched) or (bool(branched) and "skipped" in source)
 
 
+def is_practice(cell: dict) -> bool:
+    """A cell of a lesson's Practice section (gpukit.practice.cells): exercises the learner answers, checked by
+    tests/test_practice.py, not claims the lesson makes."""
+    return "exercise" in cell.get("metadata", {}).get("gpukit", {})
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_section_with_code_ends_with_a_check(path):
     # A lesson checks each result where it is measured: every `## ` section that runs code ends (its last code
@@ -93,7 +99,8 @@ def test_every_section_with_code_ends_with_a_check(path):
     unchecked = [
         heading
         for heading, cells in sections(json.loads(path.read_text()))
-        if (code := [cell for cell in cells if cell["cell_type"] == "code"]) and not is_check(code[-1])
+        if (code := [cell for cell in cells if cell["cell_type"] == "code" and not is_practice(cell)])
+        and not is_check(code[-1])
     ]
     assert not unchecked, (
         f"{path.name}: end these sections with an assert cell that checks what they measured: {unchecked}"

@@ -259,7 +259,7 @@ def needs(root: Path, plan: Plan) -> set[str]:
     """What the planned items need beyond torch: "nbval" for a lesson, "torchao" for an FP8 one."""
     kinds = {gpuledger.item_kind(candidate.item) for candidate in plan.chosen}
     fp8 = any(NEEDS_TORCHAO.search(gpuledger.python_source(root / c.item)) for c in plan.chosen)
-    return {"nbval"} * ("lesson" in kinds) | {"torchao"} * fp8
+    return {name for name, needed in (("nbval", "lesson" in kinds), ("torchao", fp8)) if needed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +298,10 @@ class Run:
     ledger: dict
     results: list[StepResult] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+
+    def identity(self, commit: str) -> dict:
+        """What the ledger records of a run that ends now: {"gpu", "torch", "commit", "date"}."""
+        return {"gpu": self.machine.gpu, "torch": self.machine.torch, "commit": commit, "date": gpuledger.now()}
 
     def section(self, finished: bool) -> str:
         seconds = time.monotonic() - self.started
@@ -366,36 +370,29 @@ def run_item(root: Path, logs: Path, item: str, limit: float) -> StepResult:
 
 
 def _run_one(run: Run, candidate, deadline: float, identity: Identity, deps: Mapping) -> StepResult:
-    """Run one planned item (or say why not), record it in the ledger, write --out: see run_plan."""
-    kind, name, left = (
-        gpuledger.item_kind(candidate.item),
-        gpuledger.item_name(candidate.item),
-        deadline - time.monotonic(),
-    )
+    """Run one planned item (or say why not) and record it in the ledger: see run_plan."""
+    kind, name = gpuledger.item_kind(candidate.item), gpuledger.item_name(candidate.item)
+    left = deadline - time.monotonic()
     if candidate.seconds > left:
         return StepResult(kind, name, "not started", 0.0, f"{candidate.seconds} s planned, {left:.0f} s were left")
     limit = min(left, ITEM_LIMITS[kind], OVERRUN * candidate.seconds)
-    machine = {"gpu": run.machine.gpu, "torch": run.machine.torch, "commit": identity.commit_for(deps[candidate.item])}
-    started = time.monotonic()
+    commit, started = identity.commit_for(deps[candidate.item]), time.monotonic()
     try:
         result = run_item(run.root, run.logs, candidate.item, limit)
     except KeyboardInterrupt as stop:  # Stopped too: the item's processes are gone (run_command stopped them)
         seconds, why = time.monotonic() - started, f"the check was stopped ({stop.args[0] if stop.args else 'SIGINT'})"
-        gpuledger.record_cut(run.ledger, candidate.item, seconds, why, {**machine, "date": gpuledger.now()})
+        gpuledger.record_cut(run.ledger, candidate.item, seconds, why, run.identity(commit))
         run.results.append(StepResult(kind, name, "timeout", seconds, f"{why} after {seconds:.0f} s"))
-        run.write()
         raise
     if result.status == "timeout" and limit < ITEM_LIMITS[kind]:  # cut by the lease, not by its own limit
-        why = "the lease's time ran out" if limit < OVERRUN * candidate.seconds else f"{OVERRUN:g}× its planned seconds"
-        gpuledger.record_cut(
-            run.ledger, candidate.item, result.seconds, f"stopped at {why}", {**machine, "date": gpuledger.now()}
-        )
+        why = "the lease's time ran out" if limit < OVERRUN * candidate.seconds else f"{OVERRUN:g}x its planned seconds"
+        gpuledger.record_cut(run.ledger, candidate.item, result.seconds, f"stopped at {why}", run.identity(commit))
         result.detail = f"cut at {why} ({limit:.0f} s); {result.detail}"
-    else:
-        gpuledger.record(
-            run.ledger, candidate.item, result.status, result.seconds, result.detail,
-            {**machine, "date": gpuledger.now()}, deps[candidate.item],
-        )  # fmt: skip
+        return result
+    deps_ = deps[candidate.item]
+    gpuledger.record(
+        run.ledger, candidate.item, result.status, result.seconds, result.detail, run.identity(commit), deps_
+    )
     return result
 
 
@@ -405,10 +402,11 @@ def run_plan(run: Run, identity: Identity, deps: Mapping, deadline: float, repor
     limit and OVERRUN × its planned seconds; record each in the ledger and write --out as each ends."""
     run.write()  # a cut before the first item ends still leaves the section's head and the plan's ledger
     for candidate in run.plan.chosen:
-        result = _run_one(run, candidate, deadline, identity, deps)
-        run.results.append(result)
-        report(gpucheck.summary_row(result))
-        run.write()
+        try:
+            run.results.append(_run_one(run, candidate, deadline, identity, deps))
+        finally:  # a stopped item too is written, as cut
+            run.write()
+        report(gpucheck.summary_row(run.results[-1]))  # after the writing: a line printed is an item kept
     return run.results
 
 
@@ -483,7 +481,9 @@ def run_budget_check(
             print(f"gpu-check: {error} Nothing was run.", file=sys.stderr)
             return EXIT_NOT_READY
         print(gpuledger.format_plans([plan], machine.gpu, budget), flush=True)
-        if _preflight(root, logs, out or logs, plan, identity):
+        problem = _preflight(root, logs, out or logs, plan, identity)
+        if problem:
+            print(f"gpu-check: {problem}. Nothing was run.", file=sys.stderr)
             return EXIT_NOT_READY
         run = Run(gpuledger.now(), root, machine, plan, budget, out or logs, logs, ledger)
         try:

@@ -378,8 +378,10 @@ def record(
         return
     entry["seconds"], entry["seconds_from"] = round(seconds), f"measured by gpu-check --budget: {status}, {where}"
     if status in PASSED:
+        earlier = entry.get("last_pass")  # an older entry's only record of the model it passed on
+        known = {earlier["gpu"]: earlier.get("date", "")} if earlier else {}
+        entry["passed_on"] = {**known, **entry.get("passed_on", {}), machine["gpu"]: machine["date"]}
         entry["last_pass"] = run
-        entry["passed_on"] = {**entry.get("passed_on", {}), machine["gpu"]: machine["date"]}
 
 
 def record_cut(ledger: dict, item: str, seconds: float, why: str, machine: Mapping[str, str]) -> None:

@@ -47,7 +47,7 @@ pip_log=/tmp/gpu-lease-pip.log
 if ! python3 -m pip install -q --no-compile --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl \
   >"$pip_log" 2>&1; then
   echo "gpu_lease: installing the wheels failed after ${SECONDS} s, so nothing was run:" | tee "$out/setup.txt" >&2
-  grep -v -e "Running pip as the 'root' user" "$pip_log" | tail -n 5 | tee -a "$out/setup.txt" >&2
+  sed "/Running pip as the 'root' user/d" "$pip_log" | tail -n 5 | tee -a "$out/setup.txt" >&2
   exit 6
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -779,6 +779,61 @@ def test_the_fake_is_undone_after_the_test():
     assert all(now is then for now, then in zip(_cuda_layer(), before, strict=True))
 
 
+SOURCE = """
+def train(device, model):
+    cuda = device.type == "cuda"
+    setup()
+    if cuda:
+        torch.cuda.synchronize(device)
+    if device.type != "cuda":
+        return model
+    helper()
+    return model
+
+def helper():
+    return 1
+
+def check(device):
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError("no")
+    return 2
+
+def use(device, where):
+    n = 0
+    if where == "cuda" and device.type == "cpu":
+        n = 1
+    check(device)
+    n += torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return n
+"""
+
+
+def test_the_gpu_only_statements_are_derived_from_the_source_so_a_new_branch_counts_at_once():
+    """tests/gpu_lines.py finds GPU-only code by its form, not from a list kept by hand: a branch on the device's
+    type (here through a name bound to it), what follows a guard that returns or raises off CUDA, what follows a
+    call to such a guard function, and a helper only such code calls; not a branch on a string that is no device's,
+    nor a statement whose CUDA call sits in one arm of a conditional expression."""
+    import ast
+    from pathlib import Path
+
+    from tests import gpu_lines
+
+    trees = {Path("made_up.py"): ast.parse(SOURCE)}
+    assert gpu_lines.guard_functions(trees) == {"check"}
+    found = gpu_lines.module_regions(trees[Path("made_up.py")], {"check"})
+    assert found["CUDA"] == {6, 9, 10, 18, 25, 26} and found["NVML"] == set()  # 24: the guard call itself runs
+    assert ("memory_allocated", 25) in found["uses"]
+    lines = {kind: {Path("made_up.py"): set(found[kind])} for kind in gpu_lines.KINDS}
+    gpu_lines._add_code_only_gpu_code_uses(trees, lines, set())
+    assert lines["CUDA"][Path("made_up.py")] == {6, 9, 10, 13, 18, 25, 26}  # helper(): called from line 9 only
+    derived = gpu_lines.derived_lines()["CUDA"]
+    measuring = derived[gpu_lines.PACKAGE / "memory" / "measuring.py"]
+    allocate = gpu_lines._function(
+        ast.parse((gpu_lines.PACKAGE / "memory" / "measuring.py").read_text()), "allocate_cublas_workspaces"
+    )
+    assert gpu_lines._lines(allocate.body) <= measuring  # only breakdown's CUDA branch calls it
+
+
 @pytest.mark.slow
 def test_the_fake_gpu_runs_at_least_80_percent_of_the_gpu_only_statements():
     """tests/gpu_lines.py runs this file under coverage and counts the GPU-only statements it executed."""

@@ -6,7 +6,7 @@ gpukit/gpuledger.py plans; this runs the plan. On a lent GPU machine (tools/gpu_
 2. checks, before the first item, what decides whether the rest is worth it (`preflight`): torch and its CUDA
    build, a GPU torch can use (name, memory), nbval and ipykernel if a lesson is planned, torchao if an FP8 item is,
    and the commit it will record. Anything missing stops it at once with one line (EXIT_NOT_READY);
-3. runs each item under the smaller of what is left and OVERRUN × its planned seconds, and as each item ends
+3. runs each item under the smaller of what is left and its overrun limit (`item_cap`), and as each item ends
    writes to --out DIR its result line (summary.txt), the section for RESULTS.md (results.md), the ledger
    (gpu-ledger.json) and every log so far (logs.tar.gz), each replaced whole: a cut at any second keeps every
    finished item, and at most 6 files come back (the device returns 8);
@@ -56,7 +56,10 @@ LEASE_FILE = ".whl/lease.json"  # written here by tools/gpu_lease.sh prepare; .w
 # child imports torch, initialises CUDA and imports torchao and nbval (10-20 s), the last writing takes 1-2 s.
 OWN_SECONDS = {"start and plan": 15, "pre-flight": 25, "writing": 5}
 PREFLIGHT_SECONDS = 120  # the pre-flight child's own time limit
-OVERRUN = 2.0  # an item is stopped after this × its planned seconds: one wrong estimate cannot eat the lease
+# An item is stopped after twice its planned seconds, or 2 minutes more than planned where that is longer (a short
+# estimate that never met a GPU, a cold compilation): one wrong estimate cannot eat the lease, and a cut gives the
+# next plan a lower bound.
+OVERRUN, OVERRUN_SECONDS = 2.0, 120
 ITEM_LIMITS = {
     "tests": gpucheck.TESTS_SECONDS,
     "lesson": gpucheck.LESSON_SECONDS,
@@ -68,6 +71,11 @@ NEEDS_TORCHAO = re.compile(r"\btorchao\b|\b(?:gk|gpukit)\.fp8\b|from gpukit impo
 MARKER = "<!-- gpu-check run {} -->"
 END_MARKER = "<!-- end of gpu-check run {} -->"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # SIGINT already raises KeyboardInterrupt
+
+
+def item_cap(planned: int) -> float:
+    """Seconds after which an item planned for `planned` seconds is stopped (see OVERRUN)."""
+    return max(OVERRUN * planned, planned + OVERRUN_SECONDS)
 
 
 def own_seconds() -> int:
@@ -375,7 +383,8 @@ def _run_one(run: Run, candidate, deadline: float, identity: Identity, deps: Map
     left = deadline - time.monotonic()
     if candidate.seconds > left:
         return StepResult(kind, name, "not started", 0.0, f"{candidate.seconds} s planned, {left:.0f} s were left")
-    limit = min(left, ITEM_LIMITS[kind], OVERRUN * candidate.seconds)
+    cap = item_cap(candidate.seconds)
+    limit = min(left, ITEM_LIMITS[kind], cap)
     commit, started = identity.commit_for(deps[candidate.item]), time.monotonic()
     try:
         result = run_item(run.root, run.logs, candidate.item, limit)
@@ -385,7 +394,7 @@ def _run_one(run: Run, candidate, deadline: float, identity: Identity, deps: Map
         run.results.append(StepResult(kind, name, "timeout", seconds, f"{why} after {seconds:.0f} s"))
         raise
     if result.status == "timeout" and limit < ITEM_LIMITS[kind]:  # cut by the lease, not by its own limit
-        why = "the lease's time ran out" if limit < OVERRUN * candidate.seconds else f"{OVERRUN:g}x its planned seconds"
+        why = "the lease's time ran out" if limit < cap else f"its overrun limit ({candidate.seconds} s planned)"
         gpuledger.record_cut(run.ledger, candidate.item, result.seconds, f"stopped at {why}", run.identity(commit))
         result.detail = f"cut at {why} ({limit:.0f} s); {result.detail}"
         return result
@@ -399,7 +408,7 @@ def _run_one(run: Run, candidate, deadline: float, identity: Identity, deps: Map
 def run_plan(run: Run, identity: Identity, deps: Mapping, deadline: float, report=print) -> list[StepResult]:
     """Run `run.plan.chosen` in order, each started only if its planned seconds fit in what is left before
     `deadline` (an earlier one may have run over its plan), each under the smaller of what is left, its kind's own
-    limit and OVERRUN × its planned seconds; record each in the ledger and write --out as each ends."""
+    limit and item_cap; record each in the ledger and write --out as each ends."""
     run.write()  # a cut before the first item ends still leaves the section's head and the plan's ledger
     for candidate in run.plan.chosen:
         try:

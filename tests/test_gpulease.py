@@ -104,9 +104,11 @@ def test_options_that_need_budget_or_forbid_it_are_refused_before_anything_runs(
 
 
 def test_a_budgeted_run_writes_every_item_to_out_as_it_ends(monkeypatch, tmp_path, capsys):
+    """b1 passes in 100 s (2 s planned); b2 runs to its overrun limit and is cut there, which is no failure of its
+    own: its seconds become a lower bound and it stays as due as it was; b3 (188 s planned) is never started."""
     root = checkout(tmp_path, {"b1": 0, "b2": 0, "b3": 0})
     ledger = gpuledger.load_ledger(root / gpuledger.LEDGER_PATH)
-    ledger["items"]["benchmarks/b3.py"]["seconds"] = 150  # planned 188 s: does not fit after b1 ran over its plan
+    ledger["items"]["benchmarks/b3.py"]["seconds"] = 150  # planned 188 s: does not fit after b1 and b2 ran over
     gpuledger.save_ledger(root / gpuledger.LEDGER_PATH, ledger)
     fake_gpu(monkeypatch, root)
     clock, out, ran = [0.0], tmp_path / "out", []
@@ -115,23 +117,26 @@ def test_a_budgeted_run_writes_every_item_to_out_as_it_ends(monkeypatch, tmp_pat
     def run_item(root, logs, item, limit):
         if ran:  # each item finds every earlier one already in --out
             assert gpuledger.load_ledger(out / "gpu-ledger.json")["items"][ran[-1][0]]["last_run"]["status"] == "pass"
-            assert f"| {gpuledger.item_name(ran[-1][0])} |" not in (out / "results.md").read_text()  # a benchmark
             assert f"`{gpuledger.item_name(ran[-1][0])}.py`: pass" in (out / "results.md").read_text()
         ran.append((item, round(limit)))
         (logs / f"{gpuledger.item_name(item)}.log").write_text("ran\n")
-        clock[0] += 100  # far over the 2 s planned: the lease's time, not the item, decides what follows
-        return StepResult("benchmark", gpuledger.item_name(item), "pass", 100.0, "ok")
+        seconds, status = (100, "pass") if not ran[1:] else (limit, "timeout")
+        clock[0] += seconds
+        return StepResult("benchmark", gpuledger.item_name(item), status, seconds, "ok")
 
     monkeypatch.setattr(gpulease, "run_item", run_item)
     logs = tmp_path / "logs"
-    assert cli.main(["gpu-check", "--budget", "300", "--out", str(out), "--log-dir", str(logs)]) == 0
-    own = gpulease.OWN_SECONDS["writing"]
-    assert ran == [("benchmarks/b1.py", 2 * 2), ("benchmarks/b2.py", 2 * 2)]  # 2 x 2 s planned each
-    text = capsys.readouterr().out
-    assert f"188 s planned, {300 - 200 - own} s were left" in text and "not started" in text
+    assert cli.main(["gpu-check", "--budget", "300", "--out", str(out), "--log-dir", str(logs)]) == gpucheck.EXIT_FAILED
+    cap = gpulease.item_cap(2)
+    assert cap == 2 + gpulease.OVERRUN_SECONDS and ran == [("benchmarks/b1.py", cap), ("benchmarks/b2.py", cap)]
+    text, left = capsys.readouterr().out, 300 - gpulease.OWN_SECONDS["writing"] - 100 - cap
+    assert f"188 s planned, {left} s were left" in text and "not started" in text
     assert sorted(path.name for path in out.iterdir()) == sorted(gpulease.OUT_FILES)
     section = (out / "results.md").read_text()
     assert gpulease.section_id(section) and "Cut:" not in section and "`b3.py`: not started" in section
+    assert f"cut at its overrun limit (2 s planned) ({cap} s)" in section
+    cut = gpuledger.load_ledger(out / "gpu-ledger.json")["items"]["benchmarks/b2.py"]
+    assert "last_run" not in cut and cut["seconds"] == cap and cut["seconds_from"].startswith("lower bound: stopped")
     with tarfile.open(out / "logs.tar.gz") as archive:
         assert {"logs/b1.log", "logs/b2.log"} <= set(archive.getnames())
     assert (out / "preflight.txt").read_text().splitlines()[-1] == "pre-flight: commit abc (test)"

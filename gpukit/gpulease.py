@@ -494,7 +494,7 @@ def run_budget_check(
         if problem:
             print(f"gpu-check: {problem}. Nothing was run.", file=sys.stderr)
             return EXIT_NOT_READY
-        run = Run(gpuledger.now(), root, machine, plan, budget, out or logs, logs, ledger)
+        run = Run(gpuledger.now(), root, machine, plan, budget, out or logs, logs, ledger, started=deadline - budget)
         try:
             run_plan(run, identity, deps, deadline - OWN_SECONDS["writing"], functools.partial(print, flush=True))
             code = gpucheck.exit_code(run.results)

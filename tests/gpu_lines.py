@@ -38,15 +38,14 @@ KINDS = ("CUDA", "NVML")
 
 # torch.cuda's functions that need a CUDA device (called without one they raise); is_available, device_count and
 # is_initialized are not among them: they answer on any machine.
-GPU_CALLS = {
-    "synchronize", "Event", "Stream", "stream", "current_stream", "default_stream", "set_stream", "set_device",
-    "current_device", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-    "reset_peak_memory_stats", "reset_max_memory_allocated", "memory_stats", "mem_get_info", "get_device_properties",
-    "get_device_capability", "get_device_name", "set_per_process_memory_fraction", "get_per_process_memory_fraction",
-    "empty_cache", "CUDAGraph", "graph", "make_graphed_callables", "_record_memory_history", "_snapshot",
-    "memory_snapshot", "caching_allocator_alloc", "caching_allocator_delete", "cudart", "get_rng_state",
-    "set_rng_state", "ipc_collect", "utilization", "temperature", "power_draw", "clock_rate",
-}  # fmt: skip
+GPU_CALLS = set(
+    """synchronize Event Stream stream current_stream default_stream set_stream set_device current_device
+    memory_allocated max_memory_allocated memory_reserved max_memory_reserved reset_peak_memory_stats
+    reset_max_memory_allocated memory_stats mem_get_info get_device_properties get_device_capability get_device_name
+    set_per_process_memory_fraction get_per_process_memory_fraction empty_cache CUDAGraph graph make_graphed_callables
+    _record_memory_history _snapshot memory_snapshot caching_allocator_alloc caching_allocator_delete cudart
+    get_rng_state set_rng_state ipc_collect utilization temperature power_draw clock_rate""".split()
+)
 NVML_QUIET = {"nvmlInit", "nvmlShutdown", "NVMLError"}  # reached on any machine: they fail, or are a name
 
 # (file, function, locator, kind, why): what the rules cannot see. Locators: None, the whole body; ("if", test) the

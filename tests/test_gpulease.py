@@ -502,5 +502,12 @@ def test_the_lease_script_prepares_here_with_the_budget_the_device_will_have(tmp
     script = (REPO_ROOT / "tools" / "gpu_lease.sh").read_text()
     setup, start = (int(script.split(f"\n{name}=")[1].split()[0]) for name in ("SETUP_PLANNED", "PYTHON_START"))
     assert (calls / "python3").read_text().split() == [
-        "-m", "gpukit.gpulease", "prepare", "--budget", str(540 - setup - start), "--gpu", "NVIDIA", "H200",
-    ]  # fmt: skip
+        "-m",
+        "gpukit.gpulease",
+        "prepare",
+        "--budget",
+        str(540 - setup - start),
+        "--gpu",
+        "NVIDIA",
+        "H200",
+    ]

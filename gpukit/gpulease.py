@@ -65,6 +65,7 @@ ITEM_LIMITS = {
     "lesson": gpucheck.LESSON_SECONDS,
     "benchmark": gpucheck.BENCHMARK_SECONDS,
 }
+OUT_FILE_BYTES = 15 * 2**20  # the device returns files of 16 MiB at most
 OUT_FILES = ("preflight.txt", "summary.txt", "results.md", "gpu-ledger.json", "logs.tar.gz")  # what --out receives
 EXIT_NOT_READY = 5  # the pre-flight found something missing: nothing was run
 NEEDS_TORCHAO = re.compile(r"\btorchao\b|\b(?:gk|gpukit)\.fp8\b|from gpukit import[^\n]*\bfp8\b")
@@ -337,8 +338,17 @@ class Run:
 
 
 def _archive(logs: Path, path: Path) -> None:
-    with tarfile.open(path, "w:gz") as archive:
-        archive.add(logs, arcname=logs.name)
+    """The logs folder as a .tar.gz; without the executed lessons (notebooks/, figures and all) where they would
+    take it past what comes back from the device (16 MiB a file)."""
+    for keep_lessons in (True, False):
+        with tarfile.open(path, "w:gz") as archive:
+            archive.add(logs, arcname=logs.name, filter=None if keep_lessons else _no_lessons)
+        if path.stat().st_size <= OUT_FILE_BYTES:
+            return
+
+
+def _no_lessons(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    return None if "/notebooks/" in member.name + "/" else member
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,6 +142,35 @@ def test_a_budgeted_run_writes_every_item_to_out_as_it_ends(monkeypatch, tmp_pat
     assert (out / "preflight.txt").read_text().splitlines()[-1] == "pre-flight: commit abc (test)"
 
 
+def test_without_out_the_check_collects_its_own_folder(monkeypatch, tmp_path, capsys):
+    root = checkout(tmp_path, {"b1": 0})
+    fake_gpu(monkeypatch, root)
+    monkeypatch.setattr(
+        gpulease, "run_item", lambda root, logs, item, limit: StepResult("benchmark", "b1", "pass", 3, "ok")
+    )
+    results, logs = tmp_path / "R.md", tmp_path / "logs"
+    assert cli.main(["gpu-check", "--budget", "300", "--results", str(results), "--log-dir", str(logs)]) == 0
+    assert "`b1.py`: pass" in results.read_text() and (logs / "results.md").is_file()
+    assert (
+        gpuledger.load_ledger(root / gpuledger.LEDGER_PATH)["items"]["benchmarks/b1.py"]["last_run"]["commit"] == "abc"
+    )
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"section added to {results}; 1 items")
+
+
+def test_the_logs_archive_leaves_the_lessons_out_rather_than_pass_what_comes_back(monkeypatch, tmp_path):
+    logs = tmp_path / "logs"
+    (logs / "notebooks").mkdir(parents=True)
+    (logs / "b1.log").write_text("ran\n")
+    (logs / "notebooks" / "10_x.ipynb").write_bytes(random.Random(0).randbytes(300_000))  # figures do not compress
+    gpulease._archive(logs, tmp_path / "all.tar.gz")
+    with tarfile.open(tmp_path / "all.tar.gz") as archive:
+        assert "logs/notebooks/10_x.ipynb" in archive.getnames()
+    monkeypatch.setattr(gpulease, "OUT_FILE_BYTES", 100_000)
+    gpulease._archive(logs, tmp_path / "small.tar.gz")
+    with tarfile.open(tmp_path / "small.tar.gz") as archive:
+        assert archive.getnames() == ["logs", "logs/b1.log"]
+
+
 def test_the_pre_flight_stops_at_once_naming_what_is_missing(monkeypatch, tmp_path, capsys):
     root = checkout(tmp_path, {"b1": 0})
     (root / "tests" / "test_fp8.py").write_text(

@@ -486,13 +486,14 @@ def run_budget_check(
     check_budget(budget, leases)
     root = gpucheck.repository_root()
     ledger = gpuledger.load_ledger(root / LEDGER_PATH)
-    deps = {item: gpuledger.dependencies(root, item) for item in gpuledger.selected_items(root, only)}
-    if dry_run:
-        return _dry_run(root, ledger, deps, budget, leases, gpu)
-    message = gpucheck.no_gpu_message()
-    if message:
+    items = gpuledger.selected_items(root, only)
+    message = None if dry_run else gpucheck.no_gpu_message()
+    if message:  # before the items' files are read (seconds): nothing is run anyway
         print(message, file=sys.stderr)
         return gpucheck.EXIT_NO_GPU
+    deps = {item: gpuledger.dependencies(root, item) for item in items}
+    if dry_run:
+        return _dry_run(root, ledger, deps, budget, leases, gpu)
     with stopped_by_signals():
         try:
             identity, machine, logs, plan = _start(root, ledger, deps, deadline, log_dir)

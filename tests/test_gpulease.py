@@ -405,7 +405,8 @@ def _alive(pid: int) -> bool:
 
 
 def finished_items(lines: list[str]) -> list[str]:
-    return [line.split()[1] for line in lines if line.startswith("benchmark ") and " pass " in line]
+    """The items whose result line the check printed (it prints one after writing the item to --out)."""
+    return sorted({line.split()[1] for line in lines if line.startswith("benchmark ") and " pass " in line})
 
 
 @pytest.mark.slow
@@ -417,7 +418,7 @@ def test_a_check_killed_at_random_moments_keeps_every_finished_item_mergeable(mo
     for run in range(3):
         process, lines, planned = start_check(tmp_path, root, run)
         assert planned.wait(120), "".join(lines)
-        time.sleep(draw.uniform(0, 6 * 0.6))  # anywhere from before the first item to past the last
+        time.sleep(draw.uniform(1.2 * run, 1.2 * run + 1.2))  # one cut early, one mid-run, one late: 6 items of ~0.6 s
         os.kill(process.pid, signal.SIGKILL)  # no handler can run: what is in out/ is all there is
         process.wait(30)
         time.sleep(0.5)  # the reader thread takes the last lines

@@ -46,7 +46,8 @@ LAYERS = [
         "gpukit.site",  # runs the lessons as gpu-check does (its child_environment)
     },
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor", "gpukit.inference"},
-    {"gpukit.gpuledger"},  # plans make gpu-check's runs (gpucheck) within a lease
+    {"gpukit.gpuledger"},  # plans make gpu-check's runs within a lease
+    {"gpukit.gpulease"},  # runs that plan with gpucheck's steps, writing each as it ends
     {"gpukit.compiling", "gpukit.fp8"},  # regional compilation (uses bench and memory), FP8 numerics
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},

@@ -182,7 +182,9 @@ def _add_budget_options(check) -> None:
         "--dry-run", action="store_true", help="with --budget: print the plan, run nothing (no GPU needed)"
     )
     check.add_argument("--leases", type=int, default=1, help="with --dry-run: plan this many leases in a row")
-    check.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="with --dry-run: the GPU the plan is for")
+    check.add_argument(
+        "--gpu", default="NVIDIA H200", help="with --dry-run: the GPU the plan is for (the lent machines: an H200)"
+    )
     check.add_argument(
         "--out", type=Path, help="with --budget: write results.md, summary.txt, the ledger and logs here"
     )

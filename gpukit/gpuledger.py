@@ -233,14 +233,27 @@ def save_ledger(path: Path, ledger: dict) -> None:
     temporary.replace(path)
 
 
+GIT_SECONDS = 120  # git diff against an old commit on a busy 2-core machine: seconds, rarely more
+
+
 def changed_files(root: Path, commit: str) -> set[str] | None:
     """The files that differ between `commit` and the working tree (committed or not); None where this clone
-    does not have `commit` (then everything counts as changed)."""
+    does not have `commit` (then everything counts as changed). A git that does not answer in GIT_SECONDS is an
+    error, not "commit not in this clone": that would silently make every item due."""
     try:
         done = subprocess.run(
-            ["git", "diff", "--name-only", commit, "--"], cwd=root, capture_output=True, text=True, timeout=60
+            ["git", "diff", "--name-only", commit, "--"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=GIT_SECONDS,
         )
-    except (OSError, subprocess.SubprocessError):
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"gpu-check: `git diff --name-only {commit}` took over {GIT_SECONDS} s in {root}: the plan cannot tell "
+            "what changed. Run it again on a quieter machine (or after `git gc`)."
+        ) from None
+    except OSError:
         return None
     return set(done.stdout.split()) if done.returncode == 0 else None
 

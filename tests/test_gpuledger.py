@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gpukit import cli, gpucheck, gpulease, gpuledger
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +203,7 @@ def test_the_dry_run_prints_four_leases_without_a_gpu(monkeypatch, tmp_path, cap
     lines = capsys.readouterr().out.splitlines()
     own = gpulease.own_seconds()
     assert lines[0] == (
-        f"gpu-check --budget 480 ({own} s of it the check's own): 4 lease(s) on NVIDIA H100 80GB HBM3, "
+        f"gpu-check --budget 480 ({own} s of it the check's own): 4 lease(s) on NVIDIA H200, "
         f"planned from {gpuledger.LEDGER_PATH}"
     )
     leases = [line for line in lines if line.startswith("lease ")]
@@ -265,3 +267,13 @@ def test_the_wheel_list_carries_every_module_the_gpu_machine_lacks():
     missing = {name for name in needed if DISTRIBUTION.get(name, name).lower() not in listed}
     assert not missing, f"add to tools/gpu-wheels.txt (or to IN_THE_IMAGE if the GPU image has them): {missing}"
     assert {"nbconvert", "torchao", "nbval", "ipykernel"} <= listed
+
+
+def test_a_git_that_does_not_answer_is_an_error_not_every_item_due(tmp_path, monkeypatch):
+    # Under load a `git diff` once passed its limit and every item was planned as "commit not in this clone".
+    def slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout"))
+
+    monkeypatch.setattr(gpuledger.subprocess, "run", slow)
+    with pytest.raises(RuntimeError, match="took over .* the plan cannot tell what changed"):
+        gpuledger.changed_files(tmp_path, "0" * 40)

@@ -193,7 +193,7 @@ def places(monkeypatch):
     write = checkpoint.write_checkpoint
     monkeypatch.setattr(checkpoint, "write_checkpoint", counted("save before", counted("save after", write, "after")))
     monkeypatch.setattr(checkpoint._Hashing, "write", counted("save write", checkpoint._Hashing.write))
-    monkeypatch.setattr(loop, "_log", counted("log", loop._log))
+    monkeypatch.setattr(loop, "write_row", counted("log", loop.write_row))
     monkeypatch.setattr(Progress, "epoch_done", counted("epoch shown", Progress.epoch_done))
     monkeypatch.setattr(Progress, "close", counted("close", Progress.close, "after"))
     # (OneCycleLR steps once as it is built: its n-th call is the schedule's step after optimizer step n - 1)

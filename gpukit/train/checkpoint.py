@@ -436,7 +436,8 @@ class Checkpointer:
     plan: how the run's optimizer steps are laid out (total_steps, steps_per_epoch, batch_size, accumulate,
     world_size); settings: the hyper-parameters that shape it (lr, optimizer, schedule, warmup, clip,
     precision, label_smoothing, seed); save_every: optimizer steps between saves within an epoch, or None.
-    `run` below is fit's _Run (model, step.optimizer, scheduler, precision, history, loader, total_steps).
+    `run` below is fit's Run (gpukit.train.run: model, step.optimizer, scheduler, precision, history, loader,
+    total_steps).
     """
 
     def __init__(self, directory: str | Path, plan: dict, settings: dict, *, save_every: int | None, device):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +12,6 @@ from .. import distributed
 from ..step import Batch
 from .checks import NonFiniteLossError, check_finite_inputs
 from .tally import RunningSums
-
-if TYPE_CHECKING:
-    from .run import Run
 
 
 class LogWindow:
@@ -71,8 +67,8 @@ def lr_columns(lrs: list[float]) -> dict[str, float]:
     return columns
 
 
-def write_row(run: Run, window: LogWindow, epoch: int, batch: Batch | None = None) -> None:
-    """The window's row into the History, the TensorBoard log and the bar, then a new window. A loss that is no longer
+def write_row(run, window: LogWindow, epoch: int, batch: Batch | None = None) -> None:
+    """The window's row into `run`'s History (fit's Run), the TensorBoard log and the bar, then a new window. A loss that is no longer
     finite stops the run here, named as a data problem where the last batch shows one."""
     # A window resumed from a file saved before windows kept their lrs has none: the optimizer's now is the nearest.
     lrs = window.lrs or [group["lr"] for group in run.step.optimizer.param_groups]

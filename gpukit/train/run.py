@@ -99,13 +99,17 @@ class Run:
     def done(self) -> bool:
         return self.total_steps is not None and self.step_index >= self.total_steps
 
-    def begin(self, saving: Saving, settings: dict, build_schedule: Callable, reporting: Reporting, progress: bool):
+    def begin(self, saving: Saving, settings: dict, build_schedule: Callable, reporting: Reporting, progress, seed):
         """Before the first step: resumed from the folder's last save, if any (`settings`: what the saves record and a
-        resume must match), and the reports started."""
+        resume must match), the reports started, and torch's generator seeded."""
         self.resume_from(saving, settings, build_schedule)
         if saving.in_background:
             self.options.save_in_background(self.checkpoint)
         self.start_reporting(reporting, progress)
+        # Dropout's draws, each rank its own. Seeded after the last check: a refused call leaves every generator (CPU
+        # and CUDA) as it was; a resumed run restores the saved generators over this at its first epoch.
+        if seed is not None:
+            torch.manual_seed(seed + distributed.rank())
 
     def resume_from(self, saving: Saving, settings: dict, build_schedule: Callable) -> None:
         if saving.folder is None:

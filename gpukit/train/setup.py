@@ -72,9 +72,7 @@ def start_run(
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
     fp8_config = float8.training_config(transforms.fp8, device)  # raises before any work without torchao or FP8 cores
-    _check_model(model)
-    if fp8_config is not None:
-        float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
+    _check_model(model, fp8_config)
     check_arguments(model, seed=seed, checkpoint_dir=saving.folder, optimizer=optimizer)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     channels_last = transforms.channels_last
@@ -122,11 +120,7 @@ def start_run(
     settings = _settings(run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config)
     del loader, built, parallel, step  # the run holds them: an out-of-memory error releases the run whole
     try:
-        run.begin(saving, settings, partial(make_schedule, schedule=schedule, warmup=warmup), reporting, progress)
-        # Dropout's draws, each rank its own. Seeded after the last check: a refused call leaves every generator (CPU
-        # and CUDA) as it was; a resumed run restores the saved generators over this at its first epoch.
-        if seed is not None:
-            torch.manual_seed(seed + distributed.rank())
+        run.begin(saving, settings, partial(make_schedule, schedule=schedule, warmup=warmup), reporting, progress, seed)
     except BaseException:
         run.finish()  # the folder let go; the model as it came
         raise
@@ -197,11 +191,13 @@ def _warmup(warmup, warmup_steps) -> float:
     return warmup
 
 
-def _check_model(model) -> None:
+def _check_model(model, fp8_config) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module to train, got {type(model).__name__}.")
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters to train.")
+    if fp8_config is not None:
+        float8.convertible(model)  # a model without a Linear layer FP8 can run is refused here, before any work
 
 
 def _training_loader(train_data, batch_size, device, epochs, channels_last, seed):

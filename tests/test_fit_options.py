@@ -27,14 +27,26 @@ from tests.helpers import tiny_gpt, tokens
 pytestmark = pytest.mark.usefixtures("one_thread")  # exact comparisons of tiny runs; no timing
 
 # Columns that measure time or energy: they differ between two runs of the same computation.
-TIMED = {"seconds", "step_time", "samples_per_second", "tokens_per_second", "peak_memory", "energy_j",
-         "joules_per_sample", "co2_grams", "mean_power_w", "mean_utilization", "throttle_reasons"}  # fmt: skip
+TIMED = {
+    "seconds",
+    "step_time",
+    "samples_per_second",
+    "tokens_per_second",
+    "peak_memory",
+    "energy_j",
+    "joules_per_sample",
+    "co2_grams",
+    "mean_power_w",
+    "mean_utilization",
+    "throttle_reasons",
+}
 
 
 def small_cnn() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(),
-                         nn.Linear(8 * 6 * 6, 4))  # fmt: skip
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)
+    )
 
 
 def mlp16() -> nn.Module:
@@ -68,28 +80,43 @@ T, S, R = gk.ModelTransforms, gk.Saving, gk.Reporting
 # a "{folder}" in a value is a fresh folder for each run.
 CASES = {
     "channels_last": (small_cnn, image_batches, {"channels_last": True}, {"transforms": T(channels_last=True)}),
-    "compile": (mlp16, vector_batches, {"compile": {"backend": "eager"}}, {"transforms": T(compile={"backend": "eager"})}),
+    "compile": (
+        mlp16,
+        vector_batches,
+        {"compile": {"backend": "eager"}},
+        {"transforms": T(compile={"backend": "eager"})},
+    ),
     "activation_checkpointing": (
-        lambda: tiny_gpt(dropout=0.1), token_batches,
-        {"activation_checkpointing": "full"}, {"transforms": T(activation_checkpointing="full")},
+        lambda: tiny_gpt(dropout=0.1),
+        token_batches,
+        {"activation_checkpointing": "full"},
+        {"transforms": T(activation_checkpointing="full")},
     ),
     "offload_activations": (
-        tiny_gpt, token_batches, {"offload_activations": True}, {"transforms": T(offload_activations=True)}
+        tiny_gpt,
+        token_batches,
+        {"offload_activations": True},
+        {"transforms": T(offload_activations=True)},
     ),
     "fp8": (mlp16, vector_batches, {"fp8": emulated_fp8}, {"transforms": lambda: T(fp8=emulated_fp8())}),
     "checkpoint_dir": (small_cnn, image_batches, {"checkpoint_dir": "{folder}"}, {"saving": "{folder}"}),
     "checkpoint_dir as a Saving": (small_cnn, image_batches, {"checkpoint_dir": "{folder}"}, {"saving": S("{folder}")}),
     "save_every": (
-        small_cnn, image_batches, {"checkpoint_dir": "{folder}", "save_every": 2}, {"saving": S("{folder}", every=2)}
+        small_cnn,
+        image_batches,
+        {"checkpoint_dir": "{folder}", "save_every": 2},
+        {"saving": S("{folder}", every=2)},
     ),
     "save_in_background": (
-        small_cnn, image_batches,
-        {"checkpoint_dir": "{folder}", "save_in_background": True}, {"saving": S("{folder}", in_background=True)},
+        small_cnn,
+        image_batches,
+        {"checkpoint_dir": "{folder}", "save_in_background": True},
+        {"saving": S("{folder}", in_background=True)},
     ),
     "live_plot": (small_cnn, image_batches, {"live_plot": True}, {"reporting": R(live_plot=True)}),
     "log_dir": (small_cnn, image_batches, {"log_dir": "{folder}"}, {"reporting": R(log_dir="{folder}")}),
     "monitor": (small_cnn, image_batches, {"monitor": True}, {"reporting": R(monitor=True)}),
-}  # fmt: skip
+}
 
 
 def made(value, folder):
@@ -98,8 +125,14 @@ def made(value, folder):
     if value == "{folder}":
         return str(folder)
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: made(getattr(value, f.name), folder) for f in dataclasses.fields(value)
-                                             if getattr(value, f.name) == "{folder}"})  # fmt: skip
+        return dataclasses.replace(
+            value,
+            **{
+                f.name: made(getattr(value, f.name), folder)
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) == "{folder}"
+            },
+        )
     return value
 
 
@@ -194,7 +227,11 @@ class Untouchable:
         ({"compile": "fast"}, ValueError, r"compile='fast' is unknown"),
         ({"activation_checkpointing": "some"}, ValueError, r"activation checkpointing policy 'some' is unknown"),
         ({"offload_activations": "yes"}, TypeError, r"offload_activations must be True or False"),
-        ({"save_every": 2}, ValueError, r"save_every=2 \(Saving.every\) saves into the run's folder.*checkpoint_dir"),
+        (
+            {"save_every": 2},
+            ValueError,
+            r"save_every=2 saves into checkpoint_dir: pass checkpoint_dir too \(.*gk.Saving\(folder, every=2\)",
+        ),
         ({"checkpoint_dir": "runs/a", "save_every": 0}, ValueError, r"save_every must be a positive integer"),
         ({"save_in_background": True}, ValueError, r"save_in_background=True .*checkpoint_dir"),
         ({"save_in_background": "yes", "checkpoint_dir": "a"}, TypeError, r"save_in_background .*True or False"),
@@ -212,7 +249,7 @@ def test_a_wrong_option_is_refused_before_any_work_naming_it(options, error, wor
 def test_each_group_checks_itself_when_made():
     with pytest.raises(ValueError, match="compile='fast' is unknown"):
         gk.ModelTransforms(compile="fast")
-    with pytest.raises(ValueError, match=r"save_every=3 \(Saving.every\)"):
+    with pytest.raises(ValueError, match=r"save_every=3 saves into checkpoint_dir"):
         gk.Saving(every=3)
     with pytest.raises(TypeError, match="log_dir must be a folder path"):
         gk.Reporting(log_dir=["runs"])
@@ -236,8 +273,11 @@ def test_fit_keeps_24_options_under_headings_and_a_docstring_on_one_screen_that_
     options = parameters[2:]
     assert len(options) <= 24, options
     source = inspect.getsource(inspect.unwrap(gk.fit))
-    headings = re.findall(r"^    # (How much|How it learns|What is measured|Where and how reproducibly|What you see)",
-                          source, flags=re.MULTILINE)  # fmt: skip
+    headings = re.findall(
+        r"^    # (How much|How it learns|What is measured|Where and how reproducibly|What you see)",
+        source,
+        flags=re.MULTILINE,
+    )
     assert len(headings) == 5, headings
     assert len(inspect.getdoc(gk.fit).splitlines()) <= 42
     documented = docstring_arguments(gk.fit)
@@ -269,8 +309,14 @@ OPTIONS = dict(epochs=2, batch_size=16, log_every=2, progress=False, device="cpu
 
 def dropout_cnn() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3), nn.Flatten(),
-                         nn.Linear(8 * 3 * 3, 4))  # fmt: skip
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(8 * 3 * 3, 4),
+    )
 
 
 def shuffled_images():  # 96 images: 6 optimizer steps an epoch at batch 16, in an order fit draws
@@ -335,13 +381,19 @@ def old_runs(tmp_path_factory):
     ):
         pytest.skip(f"commit {OLD_COMMIT} (the code before the option groups) is not in this clone (a shallow one?)")
     folder = tmp_path_factory.mktemp("before_the_groups")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", OLD_COMMIT, "gpukit"], capture_output=True,
-                             check=True, timeout=120).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", OLD_COMMIT, "gpukit"], capture_output=True, check=True, timeout=120
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True, timeout=120)
     definitions = "\n".join(inspect.getsource(f) for f in (dropout_cnn, shuffled_images, Crash, crashing_loss))
     script = OLD_RUNS.format(options=OPTIONS, definitions=definitions)
-    subprocess.run([sys.executable, "-c", script, str(folder)], cwd=folder, env={**os.environ, "PYTHONPATH": str(folder)},
-                   check=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", script, str(folder)],
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": str(folder)},
+        check=True,
+        timeout=600,
+    )
     return folder
 
 

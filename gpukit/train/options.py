@@ -89,8 +89,8 @@ class Saving:
         if self.every is not None:
             if self.folder is None:
                 raise ValueError(
-                    f"save_every={self.every!r} (Saving.every) saves into the run's folder: pass checkpoint_dir too "
-                    f"(gk.Saving(folder, every={self.every!r}))."
+                    f"save_every={self.every!r} saves into checkpoint_dir: pass checkpoint_dir too (the new spelling: "
+                    f"saving=gk.Saving(folder, every={self.every!r}))."
                 )
             check_int("save_every", self.every, note="(Saving.every: optimizer steps between saves)")
         if not isinstance(self.in_background, bool):
@@ -99,8 +99,8 @@ class Saving:
             )
         if self.in_background and self.folder is None:
             raise ValueError(
-                "save_in_background=True (Saving.in_background) writes fit's saves in a thread: pass checkpoint_dir "
-                "too (gk.Saving(folder, in_background=True))."
+                "save_in_background=True writes fit's checkpoints in a thread: pass checkpoint_dir too (the new "
+                "spelling: saving=gk.Saving(folder, in_background=True))."
             )
 
 

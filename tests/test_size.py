@@ -21,7 +21,7 @@ BUDGET = {  # folder: (lines on 2026-11-29, the budget)
     "gpukit/hardware": (1385, 1450),
     "gpukit/memory": (2778, 2920),
     "gpukit/step": (943, 1000),
-    "gpukit/train": (3746, 3950),
+    "gpukit/train": (3822, 4000),
 }
 
 # The files a reader opens to follow one step, in reading order, and the definitions that are the step.
@@ -46,17 +46,20 @@ LEARNERS_MODULES = [
     "train/data.py",
     "train/evaluation.py",
     "train/history.py",
+    "train/checks.py",
+    "train/batch_checks.py",
+    "train/checkpoint.py",
+    "train/checkpoint_file.py",
+    "train/saved_state.py",
     "optim.py",
 ]
 LONGER = {  # modules over 400 lines today: their length may only shrink
-    "train/checkpoint.py": 715,
     "gpucheck.py": 671,
     "hardware/planning.py": 611,
     "memory/activation_checkpointing.py": 572,
     "env.py": 565,
     "gpuledger.py": 522,
     "checkup.py": 517,
-    "train/checks.py": 487,
     "memory/measuring.py": 455,
     "distributed/parallel.py": 429,
     "data/bottleneck.py": 427,

@@ -10,7 +10,8 @@ import torch
 
 from .. import distributed
 from ..step import Batch
-from .checks import NonFiniteLossError, check_finite_inputs
+from .batch_checks import check_finite_inputs
+from .checks import NonFiniteLossError
 from .tally import RunningSums
 
 

@@ -31,7 +31,8 @@ from torch import nn
 from .. import distributed
 from ..precision import Precision
 from ..step import Batch, BatchError, loss_parts
-from .checks import describe, explained_model_failure, failed_batch_cause, warn_if_scalars_ignored
+from .batch_checks import failed_batch_cause, warn_if_scalars_ignored
+from .checks import describe, explained_model_failure
 from .data import batch_on_device, exact_device
 from .evaluation import evaluate
 from .history import History

@@ -23,8 +23,9 @@ from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_me
 from ..precision import Precision
 from ..step import Batch, Loss, TrainStep
 from ..widgets import Progress
+from .batch_checks import check_host_targets
 from .checkpoint import Checkpointer, warn_if_order_cannot_be_saved
-from .checks import check_first_batch, check_host_targets
+from .checks import check_first_batch
 from .data import batches
 from .history import History
 from .log_window import LogWindow

@@ -24,13 +24,14 @@ from ..precision import Precision
 from ..step import Batch, Loss, TrainStep
 from ..widgets import Progress
 from .batch_checks import check_host_targets
-from .checkpoint import Checkpointer, warn_if_order_cannot_be_saved
+from .checkpoint import Checkpointer
 from .checks import check_first_batch
 from .data import batches
 from .history import History
 from .log_window import LogWindow
 from .model_options import ModelOptions
 from .options import Reporting, Saving
+from .saved_state import warn_if_order_cannot_be_saved
 from .tally import Tally, callers_stacklevel
 from .tensorboard_log import open_log
 

@@ -18,6 +18,7 @@ one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -28,6 +29,7 @@ from . import data, distributed, gpucheck, gpuledger, jupyter, models, nbval, sh
 from .checkup import collect
 from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
+from .preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
 from .train import CheckpointError, History, NonFiniteLossError, fit
 from .train.checks import check_checkpoint_dir
 
@@ -401,10 +403,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `gpukit` command with `argv` (default: sys.argv[1:]) and return its exit code.
 
     A malformed command line (unknown option, not a number) exits through argparse, with code 2.
+    `train` stopped by SIGTERM (a scheduler preempting the job, torchrun stopping its workers) ends with one line
+    saying which save resumes it, and code 143.
     """
     args = build_parser().parse_args(argv)
     try:
-        code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
+        with sigterm_raises() if args.command == "train" else contextlib.nullcontext():
+            code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
+    except Preempted as error:
+        said = " ".join(getattr(error, "__notes__", [])) or "it was stopped before training started"
+        resume = " Run the same command again to resume." if getattr(args, "checkpoint_dir", None) else ""
+        print(f"gpukit: {_one_line(error)}: {_one_line(said)}{resume}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -32,6 +32,7 @@ from .precision import PRECISIONS, get_precision
 from .preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
 from .train import CheckpointError, History, NonFiniteLossError, fit
 from .train.checks import check_checkpoint_dir
+from .validation import check_seed
 
 DATASETS = ("shapes", "cifar10", "folder", "text")
 MODELS = ("fast_cnn", "resnet18", "gpt")
@@ -279,6 +280,7 @@ def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}.")
     if args.lr is not None and args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}.")
+    check_seed(args.seed, "--seed")
     # A file, or a folder that cannot be written, is said now: not after the data is built and an epoch trained.
     check_checkpoint_dir(args.checkpoint_dir, "--checkpoint-dir")
 
@@ -371,7 +373,7 @@ def train_main(args: argparse.Namespace) -> History:
 
 
 def lessons_main(args: argparse.Namespace) -> None:
-    copies = shipped.copy_lessons(args.dir, overwrite=args.force)
+    copies = shipped.copy_lessons(args.dir, overwrite=args.force, name="DIR")
     print(f"copied {len(copies)} lessons to {Path(args.dir).resolve()}; open them with: gpukit lab {args.dir}")
 
 
@@ -382,7 +384,7 @@ def lab_main(args: argparse.Namespace) -> int:
         )
     folder = Path(args.dir)
     if not list(folder.glob("[0-9][0-9]*_*.ipynb")):
-        copies = shipped.copy_lessons(folder)
+        copies = shipped.copy_lessons(folder, name="DIR")
         print(f"copied {len(copies)} lessons to {folder.resolve()}")
     if jupyter.running_as_root():
         print("running as root: JupyterLab starts with --allow-root")

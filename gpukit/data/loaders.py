@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from .. import env
 from ..env import resolve_device
+from ..validation import check_seed
 from .bottleneck import check_workers
 from .images import ImageDataset
 from .tokens import TextLoader, TokenDataset
@@ -97,7 +98,7 @@ class DeviceLoader:
         self.drop_last = shuffle if drop_last is None else drop_last
         self.dtype = dtype
         self.channels_last = channels_last
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.images = dataset.images.to(self.device)  # uint8: 4× less memory than float32
@@ -196,6 +197,7 @@ def dataloader(
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
+    seed = check_seed(seed)
     if len(dataset) == 0:
         raise ValueError("the dataset is empty; give it at least one image.")
     check_workers(num_workers, prefetch_factor)
@@ -245,7 +247,7 @@ def loader_for(
     shuffling (training; evaluation keeps it): BatchNorm cannot train on one ("Expected more than 1 value per
     channel"). With several ranks, each gets an equal share (up to world_size - 1 samples left out, as before).
     """
-    device = resolve_device(device)
+    device, seed = resolve_device(device), check_seed(seed)
     shard = {"rank": rank, "world_size": world_size}
     pin = device.type == "cuda" if pin_memory is None else pin_memory  # the copy to the GPU can overlap compute
     if isinstance(dataset, IterableDataset):

@@ -231,6 +231,16 @@ def names_over_ranks(names: list[str]) -> list[str]:
     return list(dict.fromkeys(name for rank_names in gathered for name in rank_names))
 
 
+def objects_over_ranks(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order: one all_gather_object, which every rank must
+    call; [value] in one process."""
+    if world_size() == 1:
+        return [value]
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def check_same(value: int, what: str) -> None:
     """Raise on every rank if ranks disagree on an integer (a resume epoch, a step count)."""
     if world_size() == 1:
@@ -337,19 +347,44 @@ def shard(loader):
     A device-resident loader (DeviceLoader, TextLoader) gets its rank's share through
     `for_rank(rank, world_size)`: every rank draws the same permutation per epoch and takes an
     interleaved, equal share. A DataLoader must already read through a DistributedSampler.
+    Every rank must call it (fit does, as it sets up): the ranks' batch counts are compared
+    (check_same_batches), before a first step that would end in a timeout or a crash.
     """
     count = world_size()
     if count == 1:
         return loader
     if hasattr(loader, "for_rank"):
-        return loader.for_rank(rank(), count)
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", getattr(loader, "sampler", None))
-    if not isinstance(sampler, DistributedSampler):
-        raise ValueError(
-            "in a distributed job each rank must read its own part of the data: pass the Dataset (fit shards it), "
-            "or a DataLoader from gk.distributed.sharded_loader() (a DistributedSampler)."
-        )
+        loader = loader.for_rank(rank(), count)
+    else:
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", getattr(loader, "sampler", None))
+        if not isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                "in a distributed job each rank must read its own part of the data: pass the Dataset (fit shards "
+                "it), or a DataLoader from gk.distributed.sharded_loader() (a DistributedSampler)."
+            )
+    check_same_batches(loader)
     return loader
+
+
+def check_same_batches(loader) -> None:
+    """Refuse, on every rank, training data that gives the ranks different numbers of batches per epoch (one
+    all_gather_object; every rank must call it). The rank with more batches would wait in a collective that the
+    others never join: measured, a gloo timeout or a SIGABRT ("Received data size doesn't match expected size").
+    Data without len() cannot be counted before its epoch ends and is let through."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        batches = None
+    counts = objects_over_ranks(batches)
+    if None in counts or len(set(counts)) == 1:
+        return
+    listed = ", ".join(f"rank {index}: {number}" for index, number in enumerate(counts))
+    raise ValueError(
+        f"the ranks' training data give different numbers of batches per epoch ({listed}): every rank must take the "
+        "same steps, or the one with more waits for the others in a collective until it times out or crashes. Give "
+        "every rank the same Dataset (fit gives each rank an equal share of it), or a DataLoader from "
+        "gk.distributed.sharded_loader() over a dataset of the same length on every rank."
+    )
 
 
 def sharded_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, **options):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import numbers
 import os
 import shutil
 import tempfile
@@ -51,6 +50,7 @@ from ..step import (
     training_mode,
     unpack_outputs,
 )
+from ..validation import check_seed
 from .data import as_loader, batch_on_device
 from .tally import Tally, callers_stacklevel
 
@@ -73,8 +73,8 @@ def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -
                 "seed=None draws a new data order at each call, which a resumed run could not replay; pass an integer "
                 "seed with checkpoint_dir."
             )
-    elif not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # NumPy's integers are seeds too
-        raise ValueError(f"seed must be an integer, got {seed!r} (a {type(seed).__name__}).")
+    else:
+        check_seed(seed)  # NumPy's integers are seeds too; one range for every seed of the kit
     check_trainable(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_parameters(model, optimizer)
@@ -322,9 +322,34 @@ def dtype_mismatch(model: nn.Module, batch: Batch) -> str:
 def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> None:
     """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand, or class targets all
     equal to `ignore_index` (a loss of 0/0), is named as a problem in the data, with the step that read the batch
-    (one synchronisation, once)."""
-    if batch is None:
+    (one synchronisation, once).
+
+    In a distributed job every rank calls it at the same log step (the logged loss is summed over ranks) and one
+    all_gather_object says whose batch it is: DDP's all-reduce of the gradients carries one rank's NaN to every rank,
+    whose own batches are finite, and without it those ranks blamed the learning rate."""
+    problem = data_problem(batch, step, epoch, ignore_index)
+    ranks = distributed.world_size()
+    if ranks == 1:
+        if problem is not None:
+            raise NonFiniteInputError(problem)
         return
+    found = [(rank, said) for rank, said in enumerate(distributed.objects_over_ranks(problem)) if said is not None]
+    if found:
+        rank, said = found[0]
+        raise NonFiniteInputError(
+            f"on rank {rank} of {ranks}, {said} DDP's all-reduce of the gradients carried it to every rank"
+            + (
+                ", whose own batches are finite."
+                if len(found) == 1
+                else f" (ranks {[r for r, _ in found]} hold such data)."
+            )
+        )
+
+
+def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> str | None:
+    """What check_finite_inputs raises about `batch` (NaN or inf in it, or every target ignored), or None."""
+    if batch is None:
+        return None
     where = (
         f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
         f"last ({describe(batch)})"
@@ -337,19 +362,20 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index
         if nan or inf
     ]
     if found:
-        raise NonFiniteInputError(
+        return (
             f"{where} is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
             "learning rate: remove or fix those examples (e.g. torch.nan_to_num, or drop rows where "
             "torch.isfinite(x).all() is False)."
         )
     target = batch.target
     if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
-        raise NonFiniteInputError(
+        return (
             f"{where} has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored "
             "target is 0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples "
             "without a scored target (padding only, or too short to predict a next token), or give each batch at "
             "least one."
         )
+    return None
 
 
 def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, epoch: int):

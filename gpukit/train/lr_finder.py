@@ -32,7 +32,7 @@ from ..optim import check_lr, make_optimizer
 from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
-from ..validation import check_int
+from ..validation import check_int, check_seed
 from .data import as_loader, batch_on_device, exact_device
 
 SUGGESTION_RULE = "the largest lr at which the smoothed loss is still at its lowest level ÷ 10"
@@ -149,7 +149,7 @@ def lr_find(
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
     device = resolve_device(device)
     precision = get_precision(precision, device)
-    loader = as_loader(data, batch_size, device, shuffle=True, seed=seed)
+    loader = as_loader(data, batch_size, device, shuffle=True, seed=check_seed(seed))
 
     original_device = next(model.parameters()).device
     saved_model = {name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=True).items()}

@@ -348,12 +348,18 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index
 
 def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> str | None:
     """What check_finite_inputs raises about `batch` (NaN or inf in it, or every target ignored), or None."""
-    if batch is None:
+    problem = None if batch is None else batch_problem(batch, ignore_index)
+    if problem is None:
         return None
-    where = (
+    return (
         f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
-        f"last ({describe(batch)})"
+        f"last ({describe(batch)}) {problem}"
     )
+
+
+def batch_problem(batch: Batch, ignore_index: int) -> str | None:
+    """How `batch` makes a loss non-finite, as the end of a sentence about it ("is not finite: …", "has all its …
+    targets ignored …") with what to do; None if it holds no NaN or inf and scores a target (one synchronisation)."""
     named = _named_float_tensors(batch)
     counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
     found = [
@@ -363,17 +369,15 @@ def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) 
     ]
     if found:
         return (
-            f"{where} is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
-            "learning rate: remove or fix those examples (e.g. torch.nan_to_num, or drop rows where "
-            "torch.isfinite(x).all() is False)."
+            f"is not finite: {'; '.join(found)}. This is a problem in the data, not in the learning rate: remove "
+            "or fix those examples (e.g. torch.nan_to_num, or drop rows where torch.isfinite(x).all() is False)."
         )
     target = batch.target
     if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
         return (
-            f"{where} has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored "
-            "target is 0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples "
-            "without a scored target (padding only, or too short to predict a next token), or give each batch at "
-            "least one."
+            f"has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored target is "
+            "0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples without a scored "
+            "target (padding only, or too short to predict a next token), or give each batch at least one."
         )
     return None
 

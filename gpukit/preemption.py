@@ -33,6 +33,7 @@ __all__ = ["EXIT_PREEMPTED", "GRACE_SECONDS", "Preempted", "end_with_parent", "s
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: the shell's code for a process ended by SIGTERM
 GRACE_SECONDS = 10.0  # a worker whose parent died gets this long to unwind after SIGTERM, then it is ended
 POLL_SECONDS = 0.5  # how often the watching thread looks for the parent
+PARENT_DYING_SECONDS = 0.5  # how long a SIGTERM's handler waits to tell a parent's death from a stop it sent
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -53,9 +54,21 @@ def _raise_preempted(signum, frame) -> None:
     if _delivered:
         return
     _delivered = True
-    if _parent is not None and os.getppid() != _parent:
+    if _parent is not None and _parent_ended(_parent):
         raise Preempted(f"stopped by SIGTERM: its launcher (pid {_parent}) had ended")
     raise Preempted("stopped by SIGTERM (how a scheduler preempts a job, and how a launcher stops its workers)")
+
+
+def _parent_ended(parent: int) -> bool:
+    """Whether `parent` has died, given a moment: the kernel sends the parent-death signal when the *thread* that
+    started this process exits, and a process killed outright loses its other threads a few milliseconds later (until
+    then this process counts one of them as its parent)."""
+    deadline = time.monotonic() + PARENT_DYING_SECONDS
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def catch_sigterm():

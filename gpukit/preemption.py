@@ -15,6 +15,10 @@ SIGTERM is how Slurm and Kubernetes preempt a job and how torchrun stops its wor
 
 A second SIGTERM while the first unwinds is ignored: whoever sent it ends the process with SIGKILL if it must
 (torchrun after 30 s, Slurm after its KillWait, launch after STOP_GRACE_SECONDS).
+
+`sigterm_requests_a_stop()` is the gentler form for a training loop that saves before it stops (the work since the
+last save is kept): the first SIGTERM only sets `StopRequest.asked`; the loop finishes its step, saves, and raises
+`request.preempted()`; a second SIGTERM raises Preempted at once.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["EXIT_PREEMPTED", "GRACE_SECONDS", "Preempted", "end_with_parent", "sigterm_raises"]
+__all__ = [
+    "EXIT_PREEMPTED",
+    "GRACE_SECONDS",
+    "Preempted",
+    "StopRequest",
+    "end_with_parent",
+    "sigterm_raises",
+    "sigterm_requests_a_stop",
+]
 
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: the shell's code for a process ended by SIGTERM
 GRACE_SECONDS = 10.0  # a worker whose parent died gets this long to unwind after SIGTERM, then it is ended
@@ -100,6 +112,41 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         restore_sigterm(previous)
+
+
+class StopRequest:
+    """What sigterm_requests_a_stop hands the loop: `asked` turns True at the first SIGTERM."""
+
+    def __init__(self):
+        self.asked = False
+
+    def preempted(self) -> Preempted:
+        """The error to raise once the loop has saved: a Preempted whose message says the stop was asked."""
+        return Preempted("stopped by SIGTERM at the next safe point, after saving")
+
+
+@contextlib.contextmanager
+def sigterm_requests_a_stop() -> Iterator[StopRequest]:
+    """Within: the first SIGTERM sets the request's `asked` and returns (the main thread carries on to a point where
+    it can save and stop); a second raises Preempted at once. Outside the main thread, or where SIGTERM is ignored,
+    nothing is installed and `asked` stays False. The previous handler comes back after."""
+    request = StopRequest()
+
+    def ask(signum, frame) -> None:
+        if request.asked:
+            raise Preempted("stopped by a second SIGTERM before the loop reached a point where it could save")
+        request.asked = True
+
+    installed = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if installed else None
+    installed = installed and previous is not None and previous != signal.SIG_IGN
+    if installed:
+        signal.signal(signal.SIGTERM, ask)
+    try:
+        yield request
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def end_with_parent(parent_pid: int | None = None, grace: float = GRACE_SECONDS) -> None:

@@ -305,3 +305,24 @@ def test_a_sigterm_stops_fit_as_ctrl_c_does_and_its_save_resumes_bit_equal(point
     disturb_generators(101)
     history = fit(kind, resumed, make_data(), tmp_path)
     assert_same_run(resumed, history, tmp_path, uninterrupted[kind])
+
+
+def test_a_loop_that_saves_before_it_stops_hears_the_first_sigterm_as_a_request():
+    """sigterm_requests_a_stop, for a loop that finishes its step and saves first: the first SIGTERM only asks, a
+    second stops at once, and SIGTERM's handler is put back after; a SIGTERM ignored on purpose stays ignored."""
+    before = signal.getsignal(signal.SIGTERM)
+    with gk.preemption.sigterm_requests_a_stop() as request:
+        assert not request.asked
+        signal.raise_signal(signal.SIGTERM)  # (its handler runs before this returns)
+        assert request.asked
+        with pytest.raises(Preempted, match="second SIGTERM"):
+            signal.raise_signal(signal.SIGTERM)
+        assert isinstance(request.preempted(), KeyboardInterrupt)  # what handles Ctrl-C handles it
+    assert signal.getsignal(signal.SIGTERM) == before
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with sigterm_raises(), gk.preemption.sigterm_requests_a_stop() as request:
+            signal.raise_signal(signal.SIGTERM)  # ignored: neither raises nor asks
+        assert not request.asked and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

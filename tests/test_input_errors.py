@@ -229,7 +229,9 @@ SEED_TAKERS = {  # every function of the kit that takes a seed, run as little as
     "seed_everything": lambda seed: gk.seed_everything(seed),
     "fit's argument checks": lambda seed: check_arguments(small_mlp(), seed=seed, checkpoint_dir=None),
     "DeviceLoader": lambda seed: gk.data.DeviceLoader(gk.data.shapes(16, 4)[0], 8, seed=seed),
-    "TextLoader": lambda seed: gk.data.TextLoader(gk.data.TokenDataset(tokens(1, 64)[0].to(torch.uint8), seq_len=8), 2, seed=seed),
+    "TextLoader": lambda seed: gk.data.TextLoader(
+        gk.data.TokenDataset(tokens(1, 64)[0].to(torch.uint8), seq_len=8), 2, seed=seed
+    ),
     "dataloader": lambda seed: gk.data.dataloader(TensorDataset(features(16), classes(16)), 8, seed=seed),
     "lr_find": lambda seed: gk.lr_find(small_mlp(), [(features(8), classes(8))], steps=20, device=CPU, seed=seed),
 }
@@ -283,13 +285,14 @@ def test_fit_takes_a_numpy_seed_and_resumes_from_its_save(tmp_path):
     assert [row["step"] for row in history.steps] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-@pytest.mark.parametrize(
-    "log_dir, said",
-    [(3, "log_dir must be a folder path (a str or Path) for TensorBoard's files, got 3 (a int)"),
-     ("", "log_dir='' names no folder (TensorBoard would fill the current folder"),
-     ("  ", "log_dir='  ' names no folder")],
-    ids=["an int", "empty", "blank"],
-)  # fmt: skip
+LOG_DIRS = {
+    "an int": (3, "log_dir must be a folder path (a str or Path) for TensorBoard's files, got 3 (a int)"),
+    "empty": ("", "log_dir='' names no folder (TensorBoard would fill the current folder"),
+    "blank": ("  ", "log_dir='  ' names no folder"),
+}
+
+
+@pytest.mark.parametrize("log_dir, said", LOG_DIRS.values(), ids=LOG_DIRS)
 def test_a_log_dir_that_names_no_folder_is_refused_before_training(log_dir, said, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # log_dir="" wrote TensorBoard's files here, with no word
     model = small_mlp()

@@ -400,10 +400,8 @@ def start_with_sigint_ignored(command: list[str], folder: Path) -> subprocess.Po
     environment = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
     with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
-        return subprocess.Popen(
-            command, env=environment, stdout=out, stderr=err, cwd=folder,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-        )  # fmt: skip
+        ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+        return subprocess.Popen(command, env=environment, stdout=out, stderr=err, cwd=folder, preexec_fn=ignore_sigint)
 
 
 @pytest.fixture
@@ -492,8 +490,8 @@ def test_workers_end_with_a_launcher_killed_outright(tmp_path, processes_left):
 def test_torchrun_workers_end_with_their_agent_and_say_which_save_resumes(tmp_path, processes_left):
     """The torchrun path lesson 05 takes: torchrun starts its workers in sessions of their own, so an agent killed
     outright (SIGKILL, a lost node) left them training. Each now stops and says, in one line, which save resumes."""
-    train = ["train", "--device", "cpu", "--train-size", "256", "--test-size", "64", "--epochs", "500", "--width",
-             "4", "--batch-size", "16", "--no-progress", "--save-every", "1", "--checkpoint-dir", "run"]  # fmt: skip
+    sizes = "--train-size 256 --test-size 64 --epochs 500 --width 4 --batch-size 16 --save-every 1".split()
+    train = ["train", "--device", "cpu", *sizes, "--no-progress", "--checkpoint-dir", "run"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "gpukit"]
     agent = start_with_sigint_ignored([*command, *train], tmp_path)
     processes_left.append(agent.pid)

@@ -58,6 +58,7 @@ class Preempted(KeyboardInterrupt):
 
 
 _parent: int | None = None  # the parent end_with_parent watches, to say why SIGTERM came
+_watcher: int | None = None  # the process whose thread watches it (a forked child inherits _parent, not the thread)
 _delivered = False  # a Preempted was raised since sigterm_raises began: later SIGTERMs are ignored
 
 
@@ -154,10 +155,10 @@ def end_with_parent(parent_pid: int | None = None, grace: float = GRACE_SECONDS)
     os._exit(EXIT_PREEMPTED) if it is still alive `grace` seconds later (a main thread stuck in C code, such as a
     collective, never runs Python's handler). `parent_pid`: the parent expected; a process whose parent died before
     this call (it has another by now) is stopped at once. Once per process; later calls do nothing."""
-    global _parent
-    if _parent is not None:
+    global _parent, _watcher
+    if _watcher == os.getpid():
         return
-    _parent = os.getppid() if parent_pid is None else parent_pid
+    _parent, _watcher = (os.getppid() if parent_pid is None else parent_pid), os.getpid()
     _ask_kernel_for(signal.SIGTERM)  # after this, a parent's death cannot be missed
     threading.Thread(target=_watch, args=(_parent, grace), name="gpukit-end-with-parent", daemon=True).start()
 

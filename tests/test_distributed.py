@@ -310,8 +310,11 @@ def test_setup_warns_where_torchrun_restarts_may_read_stale_addresses(monkeypatc
 
 
 def as_rank(monkeypatch, rank: int, world_size: int = 2) -> None:
+    """This process as `rank` of a job of `world_size`, without a process group: a gather gives every rank this one's
+    value (shard compares the ranks' batch counts)."""
     monkeypatch.setattr(distributed.parallel, "rank", lambda: rank)
     monkeypatch.setattr(distributed.parallel, "world_size", lambda: world_size)
+    monkeypatch.setattr(distributed.parallel, "objects_over_ranks", lambda value: [value] * world_size)
 
 
 def test_device_loader_shards_are_disjoint_and_make_up_the_big_batch(monkeypatch, data):

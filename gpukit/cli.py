@@ -18,6 +18,7 @@ one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -28,8 +29,10 @@ from . import data, distributed, gpucheck, gpulease, jupyter, models, nbval, shi
 from .checkup import collect
 from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
+from .preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
 from .train import CheckpointError, History, NonFiniteLossError, fit
 from .train.checks import check_checkpoint_dir
+from .validation import check_seed
 
 DATASETS = ("shapes", "cifar10", "folder", "text")
 MODELS = ("fast_cnn", "resnet18", "gpt")
@@ -285,6 +288,7 @@ def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}.")
     if args.lr is not None and args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}.")
+    check_seed(args.seed, "--seed")
     # A file, or a folder that cannot be written, is said now: not after the data is built and an epoch trained.
     check_checkpoint_dir(args.checkpoint_dir, "--checkpoint-dir")
 
@@ -377,7 +381,7 @@ def train_main(args: argparse.Namespace) -> History:
 
 
 def lessons_main(args: argparse.Namespace) -> None:
-    copies = shipped.copy_lessons(args.dir, overwrite=args.force)
+    copies = shipped.copy_lessons(args.dir, overwrite=args.force, name="DIR")
     print(f"copied {len(copies)} lessons to {Path(args.dir).resolve()}; open them with: gpukit lab {args.dir}")
 
 
@@ -388,7 +392,7 @@ def lab_main(args: argparse.Namespace) -> int:
         )
     folder = Path(args.dir)
     if not list(folder.glob("[0-9][0-9]*_*.ipynb")):
-        copies = shipped.copy_lessons(folder)
+        copies = shipped.copy_lessons(folder, name="DIR")
         print(f"copied {len(copies)} lessons to {folder.resolve()}")
     if jupyter.running_as_root():
         print("running as root: JupyterLab starts with --allow-root")
@@ -409,10 +413,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `gpukit` command with `argv` (default: sys.argv[1:]) and return its exit code.
 
     A malformed command line (unknown option, not a number) exits through argparse, with code 2.
+    `train` stopped by SIGTERM (a scheduler preempting the job, torchrun stopping its workers) ends with one line
+    saying which save resumes it, and code 143.
     """
     args = build_parser().parse_args(argv)
     try:
-        code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
+        with sigterm_raises() if args.command == "train" else contextlib.nullcontext():
+            code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
+    except Preempted as error:
+        said = " ".join(getattr(error, "__notes__", [])) or "it was stopped before training started"
+        resume = " Run the same command again to resume." if getattr(args, "checkpoint_dir", None) else ""
+        print(f"gpukit: {_one_line(error)}: {_one_line(said)}{resume}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -19,6 +19,7 @@ LAYERS = [
     {
         "gpukit.deprecation",
         "gpukit.validation",
+        "gpukit.preemption",  # SIGTERM and a dying launcher: the standard library only
         "gpukit.hardware.clocks",
         "gpukit.hardware:init",  # the package's own __init__: the tables only
         "gpukit.data.vision",

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
+from .. import distributed
 from ..step import Batch, BatchError, Loss, describe_value, named_outputs, split_batch, unpack_outputs
 from .checks import NonFiniteInputError, _is_float_tensor, describe, is_class_tensor
 from .tally import callers_stacklevel
@@ -26,13 +27,44 @@ from .tally import callers_stacklevel
 def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> None:
     """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand, or class targets all
     equal to `ignore_index` (a loss of 0/0), is named as a problem in the data, with the step that read the batch
-    (one synchronisation, once)."""
-    if batch is None:
+    (one synchronisation, once).
+
+    In a distributed job every rank calls it at the same log step (the logged loss is summed over ranks) and one
+    all_gather_object says whose batch it is: DDP's all-reduce of the gradients carries one rank's NaN to every rank,
+    whose own batches are finite, and without it those ranks blamed the learning rate."""
+    problem = data_problem(batch, step, epoch, ignore_index)
+    ranks = distributed.world_size()
+    if ranks == 1:
+        if problem is not None:
+            raise NonFiniteInputError(problem)
         return
-    where = (
+    found = [(rank, said) for rank, said in enumerate(distributed.objects_over_ranks(problem)) if said is not None]
+    if found:
+        rank, said = found[0]
+        others = (
+            ", whose own batches are finite."
+            if len(found) == 1
+            else f" (ranks {[r for r, _ in found]} hold such data)."
+        )
+        raise NonFiniteInputError(
+            f"on rank {rank} of {ranks}, {said} DDP's all-reduce of the gradients carried it to every rank{others}"
+        )
+
+
+def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> str | None:
+    """What check_finite_inputs raises about `batch` (NaN or inf in it, or every target ignored), or None."""
+    problem = None if batch is None else batch_problem(batch, ignore_index)
+    if problem is None:
+        return None
+    return (
         f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
-        f"last ({describe(batch)})"
+        f"last ({describe(batch)}) {problem}"
     )
+
+
+def batch_problem(batch: Batch, ignore_index: int) -> str | None:
+    """How `batch` makes a loss non-finite, as the end of a sentence about it ("is not finite: …", "has all its …
+    targets ignored …") with what to do; None if it holds no NaN or inf and scores a target (one synchronisation)."""
     named = _named_float_tensors(batch)
     counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
     found = [
@@ -41,19 +73,18 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index
         if nan or inf
     ]
     if found:
-        raise NonFiniteInputError(
-            f"{where} is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
-            "learning rate: remove or fix those examples (e.g. torch.nan_to_num, or drop rows where "
-            "torch.isfinite(x).all() is False)."
+        return (
+            f"is not finite: {'; '.join(found)}. This is a problem in the data, not in the learning rate: remove "
+            "or fix those examples (e.g. torch.nan_to_num, or drop rows where torch.isfinite(x).all() is False)."
         )
     target = batch.target
     if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
-        raise NonFiniteInputError(
-            f"{where} has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored "
-            "target is 0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples "
-            "without a scored target (padding only, or too short to predict a next token), or give each batch at "
-            "least one."
+        return (
+            f"has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored target is "
+            "0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples without a scored "
+            "target (padding only, or too short to predict a next token), or give each batch at least one."
         )
+    return None
 
 
 def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, epoch: int):

@@ -27,7 +27,7 @@ import torch
 
 from .. import distributed
 from ..files import lock_folder, remove_stale_temporaries
-from .checkpoint_file import CheckpointError, read_checkpoint, write_checkpoint
+from .checkpoint_file import CheckpointError, plain_numbers, read_checkpoint, write_checkpoint
 from .checks import NonFiniteLossError
 from .data import batches
 from .saved_state import (
@@ -76,7 +76,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, plan: dict, settings: dict, *, save_every: int | None, device):
         self.path = Path(directory) / "last.pt"
-        self.plan, self.settings, self.save_every, self.device = plan, settings, save_every, device
+        self.plan, self.settings, self.save_every, self.device = plan, plain_numbers(settings), save_every, device
         self.schedule_start = 0  # the step the schedule began at: 0, or where a finished run was extended
         self.pending = None  # the saved place in the data, until the first epoch trained resumes from it
         self.epoch_start = None  # the state the current epoch's order came from (for saves within it)
@@ -107,10 +107,6 @@ class Checkpointer:
 
         build_schedule(optimizer, total_steps=n) makes this call's schedule over n steps.
         """
-        if distributed.is_sharded(run.model):
-            raise ValueError(
-                "checkpoint_dir does not support FSDP2-sharded models; save those with torch.distributed.checkpoint."
-            )
         if not self.path.exists():
             remove_stale_temporaries(self.path)
             return 0, 0
@@ -239,8 +235,11 @@ class Checkpointer:
                 "ranks": ranks,
             }
             self._write(state)
-        self.last_good, self.in_flight = self.in_flight[0], None
+            self.last_good, self.in_flight = self.in_flight[0], None
         distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet complete
+        # Another rank knows the save is written only once the barrier has passed: stopped before it (SIGTERM, Ctrl-C),
+        # it names this save only if last.pt was renamed into place (holds_a_save reads the file's identity).
+        self.last_good, self.in_flight = (self.in_flight[0], None) if self.in_flight else (self.last_good, None)
 
     def _write(self, state: dict) -> None:
         """Write `state` over last.pt: now, or in the background (save_in_background), where a write that failed is

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import numbers
 import pickle
 import re
 from pathlib import Path
@@ -97,10 +98,7 @@ def read_checkpoint(path: Path) -> dict:
         )
     match = _TRAILER.search(data, max(0, len(data) - _TRAILER_LENGTH - 8))  # (a format number of up to 9 digits)
     if match is None and data[-22:].startswith(_END_OF_ZIP):
-        raise CheckpointError(
-            f"{where}: it was written by an earlier gpukit, without a checksum or the data's order, and cannot be "
-            "resumed exactly (torch.load still reads its weights); delete it or pass a new checkpoint_dir."
-        )
+        raise CheckpointError(f"{where}: {_without_checksum(data)}")
     if match is None:
         raise CheckpointError(
             f"{where}: it is truncated, or no gpukit checkpoint: its {len(data):,} bytes do not end with the "
@@ -124,3 +122,50 @@ def read_checkpoint(path: Path) -> dict:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # it reads up to the line
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as error:
         raise CheckpointError(f"{where}: it is intact but torch.load cannot read it ({error}); {afresh}.") from error
+
+
+def plain_numbers(settings: dict) -> dict:
+    """Settings with NumPy's numbers as Python's (seed=np.int64(3), lr=np.float64(0.1)): torch.load(weights_only=True)
+    refuses NumPy scalars, so a save holding one could not be resumed."""
+    plain = {}
+    for name, value in settings.items():
+        if type(value) not in (bool, int, float) and isinstance(value, numbers.Integral):  # (np.bool_ is no Integral)
+            value = int(value)
+        elif type(value) not in (bool, int, float) and isinstance(value, numbers.Real):  # np.float64 is a float too
+            value = float(value)
+        plain[name] = value
+    return plain
+
+
+def _without_checksum(data: bytes) -> str:
+    """Why a file of torch.save's bytes alone (no checksum line) cannot be resumed, told by what it holds: gpukit's
+    own save cut short exactly before its checksum line, an earlier gpukit's save, a model's state_dict that
+    torch.save wrote, or something else. torch.load(weights_only=True) reads it: no code in it runs."""
+    move = "move it out of the folder (or pass a new checkpoint_dir) to start afresh"
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, AttributeError, ValueError):
+        return f"it is no gpukit checkpoint: a torch.save file that torch.load(weights_only=True) refuses; {move}."
+    if isinstance(state, dict) and {"ranks", "position", "settings"} <= state.keys():
+        return (
+            "it is a gpukit save cut short exactly before its checksum line (a copy or transfer that stopped early, a "
+            "tool that rewrote it), so its bytes cannot be verified; restore it from a complete copy, or move it out "
+            "of the folder (or pass a new checkpoint_dir) to start afresh."
+        )
+    if isinstance(state, dict) and {"model", "optimizer", "rng"} <= state.keys():
+        return (
+            "it was written by an earlier gpukit, without a checksum or the data's order, and cannot be resumed "
+            "exactly (torch.load still reads its weights, state['model']); move it out of the folder (or pass a "
+            "new checkpoint_dir) to start afresh."
+        )
+    if isinstance(state, dict) and state and all(isinstance(value, torch.Tensor) for value in state.values()):
+        return (
+            f"it holds a model's weights alone ({len(state)} tensors, as torch.save(model.state_dict()) writes), not "
+            "a run fit can resume (no optimizer, schedule or data order). To start from those weights, load them "
+            "(model.load_state_dict(torch.load(path))) and pass a checkpoint_dir without this last.pt; to resume a "
+            "run, pass the folder where fit saved it."
+        )
+    return (
+        f"it was written by torch.save, not by gpukit's fit (it holds a {type(state).__name__}, not a run fit can "
+        f"resume); {move}."
+    )

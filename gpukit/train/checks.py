@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import numbers
 import os
 import shutil
 import tempfile
@@ -42,6 +41,7 @@ from ..step import (
     describe_value,
     training_mode,
 )
+from ..validation import check_seed
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -64,8 +64,12 @@ def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -
                 "seed=None draws a new data order at each call, which a resumed run could not replay; pass an integer "
                 "seed with checkpoint_dir."
             )
-    elif not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # NumPy's integers are seeds too
-        raise ValueError(f"seed must be an integer, got {seed!r} (a {type(seed).__name__}).")
+    else:
+        check_seed(seed)  # NumPy's integers are seeds too; one range for every seed of the kit
+    if checkpoint_dir is not None and distributed.is_sharded(model):
+        raise ValueError(
+            "checkpoint_dir does not support FSDP2-sharded models; save those with torch.distributed.checkpoint."
+        )
     check_trainable(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         check_optimizer_parameters(model, optimizer)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..data.loaders import worker_crashes_explained
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Batch, BatchError, Loss, split_batch, training_mode
@@ -87,7 +88,7 @@ def evaluate(
     if split:  # this rank's share of the batches: every world_size-th, none left out, none counted twice
         loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
     tally, unscored = Tally(device, loss, metrics, predictions_can_wait(model, device), shifted_labels), 0
-    with training_mode(model, False):
+    with training_mode(model, False), worker_crashes_explained():  # a DataLoader worker that died: what to do
         for number, raw in enumerate(loader, 1):
             batch = split_batch(raw)
             if _scores_nothing(batch, loss.ignore_index):  # read before the copy where the target is on the host

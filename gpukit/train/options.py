@@ -21,6 +21,7 @@ from ..compiling import COMPILE_MODES
 from ..hardware.monitor import Monitor
 from ..memory.activation_checkpointing import check_policy
 from ..validation import check_int
+from .tensorboard_log import check_log_dir
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,7 @@ class Reporting:
     monitor: bool | Monitor = False
 
     def __post_init__(self):
-        if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):
-            raise TypeError(f"log_dir must be a folder path (a str or Path), got {self.log_dir!r}.")
+        check_log_dir(self.log_dir)  # a path that names a folder: not 3, not ""
         if not isinstance(self.monitor, (bool, Monitor)) and self.monitor is not None:
             raise TypeError(f"monitor must be True, False or a gk.hardware.Monitor, got {self.monitor!r}.")
 

@@ -417,7 +417,9 @@ def _pair_warning(report: Report) -> str | None:
     failed = report.imports.get("torchvision", "ok") != "ok" or report.imports.get("torchvision.ops.nms", "ok") != "ok"
     release = re.match(r"\d+\.\d+", report.torch_version)
     other_release = made_for is not None and release is not None and made_for != release[0]
-    other_build = _build(vision or "") and _build(report.torch_version) and _build(vision) != _build(report.torch_version)
+    other_build = (
+        _build(vision or "") and _build(report.torch_version) and _build(vision) != _build(report.torch_version)
+    )
     if vision is None or torchvision_for(report.torch_version) is None or not (failed or other_release or other_build):
         return None
     failure = report.imports.get("torchvision", "ok")

@@ -135,8 +135,11 @@ def test_gpukit_doctor_fails_on_a_torchvision_that_does_not_import(tmp_path):
 
 @pytest.mark.parametrize(
     "torch_version, torchvision, index",
-    [("2.14.1+cpu", "0.29", "https://download.pytorch.org/whl/cpu"), ("2.11.0+cu130", "0.26", "whl/cu130"),
-     ("2.13.0", "0.28", None)],
+    [
+        ("2.14.1+cpu", "0.29", "https://download.pytorch.org/whl/cpu"),
+        ("2.11.0+cu130", "0.26", "whl/cu130"),
+        ("2.13.0", "0.28", None),
+    ],
 )
 def test_the_torchvision_made_for_each_torch(torch_version, torchvision, index):
     assert checkup.torchvision_for(torch_version) == torchvision
@@ -156,7 +159,11 @@ def test_a_cpu_torch_beside_a_cuda_torchvision_of_the_same_release_is_named_befo
 
 def test_a_missing_lessons_extra_is_said_but_not_broken():
     report = clean_report()
-    report.imports = {"torch": "ok", "timm": "not installed (timm)", "numpy": "ModuleNotFoundError: No module named 'x'"}
+    report.imports = {
+        "torch": "ok",
+        "timm": "not installed (timm)",
+        "numpy": "ModuleNotFoundError: No module named 'x'",
+    }
     assert report.broken == ["numpy"]
     (row,) = [row for row in report.facts_table().rows if row["item"] == "what the lessons import"]
     assert row["value"] == "FAILS: numpy (see the warnings)"

@@ -375,12 +375,36 @@ def test_make_lab_cpu_installs_torchs_cpu_build_first_and_says_so_without_a_gpu(
     cpu = _make_dry_run("setup", "CPU=1").splitlines()
     torch_line = next(index for index, line in enumerate(cpu) if "--index-url" in line)
     assert "pip install --quiet torch torchvision --index-url https://download.pytorch.org/whl/cpu" in cpu[torch_line]
-    assert torch_line < next(index for index, line in enumerate(cpu) if '-e ".[dev,gpu]"' in line)  # torch first
+    assert torch_line < next(index for index, line in enumerate(cpu) if '-e ".[dev]"' in line)  # torch first
     default = _make_dry_run("setup")
     assert "--index-url" not in default and "make clean && make lab CPU=1" in default  # the hint, where no nvidia-smi
     assert "--index-url https://download.pytorch.org/whl/cu126" in _make_dry_run(
         "setup", "TORCH_INDEX=https://download.pytorch.org/whl/cu126"
     )
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on the PATH")
+@pytest.mark.parametrize("target, extra", [("lab", "lab"), ("test", "dev")])
+def test_make_lab_installs_the_lab_extra_make_test_the_dev_extra_and_each_ends_with_the_doctor(target, extra):
+    """A learner gets JupyterLab and what the lessons import, not the tests' playwright and transformers; every
+    set-up ends with the doctor's verdict (`gpukit doctor` exits 1 where what the lessons import fails)."""
+    lines = _make_dry_run(target).splitlines()
+    (install,) = [line for line in lines if "pip install" in line]
+    assert f'-e ".[{extra}]"' in install and "nbstripout" in install, install
+    doctor = lines.index(".venv/bin/gpukit doctor")
+    assert any(line.startswith("touch ") for line in lines[doctor + 1 :]), "the stamp is written after the doctor"
+    assert not any(line.startswith("touch ") for line in lines[:doctor]), "a failed doctor must leave no stamp"
+    (overrides,) = [line for line in lines if "overrides.d" in line]
+    assert "cp tools/jupyterlab-overrides.json .venv/share/jupyter/lab/settings/overrides.d/" in overrides
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(name.startswith(("playwright", "transformers", "ruff")) for name in dependencies["lab"])
+
+
+def test_jupyterlab_hears_no_news_from_make_lab():
+    """JupyterLab's "official Jupyter news?" pop-up covers the lessons: off, in the file make setup copies into the
+    .venv (tests/test_browser.py runs JupyterLab with the same file)."""
+    overrides = json.loads((ROOT / "tools" / "jupyterlab-overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on the PATH")

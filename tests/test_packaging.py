@@ -281,6 +281,19 @@ def _repository() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"].rstrip("/")
 
 
+def test_the_example_ci_workflow_installs_gpukit_nbval_and_pytest_from_the_projects_url():
+    """A user's CI needs gpukit and what runs notebooks as tests, not gpukit's own test kit (gpukit[dev]: a browser
+    driver, transformers), and the project's real address, not a placeholder organisation."""
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((ROOT / "examples" / "ci" / "github-actions.yml").read_text())
+    steps = workflow["jobs"]["test"]["steps"]
+    (install,) = [step["run"] for step in steps if step.get("name") == "Install"]
+    commands = [line.split("#")[0].strip() for line in install.splitlines() if "pip install" in line]
+    gpukit = [command for command in commands if "gpukit" in command]
+    assert gpukit == [f'python -m pip install "gpukit @ git+{_repository()}" nbval pytest'], commands
+    assert not any("[dev]" in command for command in commands) and "YOUR-ORG" not in install
+
+
 def test_badges_and_install_cells_are_built_from_the_one_repository_url():
     sys.path.insert(0, str(ROOT / "tools"))
     try:

@@ -5,7 +5,7 @@
 #   make lab LAB_ARGS="--ip=0.0.0.0 --port=8888 --no-browser"   your own JupyterLab options
 #   make lab CPU=1   on a machine without an NVIDIA GPU: torch's CPU-only build (see CPU below)
 #   make gpu-check   on a CUDA GPU: gpu tests, every lesson, every benchmark; results to benchmarks/RESULTS.md
-#   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: README)
+#   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: docs/gpu-check.md)
 #   make site        run every lesson and write a static site of the results to _site/ (FROM=DIR: lessons executed before)
 #   make mutants     each lesson with one gpukit measurement made wrong: do its checks fail? (tests/mutants.py)
 

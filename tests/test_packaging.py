@@ -320,15 +320,18 @@ def test_badges_and_install_cells_are_built_from_the_one_repository_url():
 def _readme_pip_route() -> list[str]:
     """The README's commands for a pip install, in order."""
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"Without a clone:\s*```bash\n(.*?)```", readme, re.DOTALL)[1]
-    return [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    block = re.search(r"Without a clone[^\n]*:\s*```bash\n(.*?)```", readme, re.DOTALL)[1]
+    return list(filter(None, (line.split("#")[0].strip() for line in block.strip().splitlines())))
 
 
 @pytest.mark.slow
 def test_the_readmes_pip_route_opens_jupyterlab(tmp_path, wheel):
     """`pip install "gpukit[lab] @ …"` then `gpukit lab gpukit-lessons`, literally: in a Python with the wheel and
     exactly what that extra brings, JupyterLab starts (as root too: CI runs as root) on a copy of the lessons."""
-    install, open_lab = _readme_pip_route()
+    commands = _readme_pip_route()
+    (install,) = [command for command in commands if "gpukit[" in command]
+    open_lab = commands[-1]
+    assert commands[0].endswith("--index-url https://download.pytorch.org/whl/cpu")  # the CPU-only advice, first
     requirement = re.fullmatch(r'pip install "(gpukit\[\w+\]) @ git\+\S+"', install)[1]
     assert open_lab == "gpukit lab gpukit-lessons"
     python = lessons_env.build(tmp_path, gpukit_from=None, roots=[requirement])

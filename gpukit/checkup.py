@@ -412,26 +412,24 @@ def torchvision_install_command(torch_version: str) -> str:
 
 
 def _pair_warning(report: Report) -> str | None:
-    """torch and torchvision that do not belong together: torchvision's failure, or their versions and builds."""
-    vision, made_for = report.torchvision_version, torch_for(report.torchvision_version or "")
-    failed = report.imports.get("torchvision", "ok") != "ok" or report.imports.get("torchvision.ops.nms", "ok") != "ok"
-    release = re.match(r"\d+\.\d+", report.torch_version)
-    other_release = made_for is not None and release is not None and made_for != release[0]
-    other_build = (
-        _build(vision or "") and _build(report.torch_version) and _build(vision) != _build(report.torch_version)
-    )
-    if vision is None or torchvision_for(report.torch_version) is None or not (failed or other_release or other_build):
+    """torch and torchvision that do not belong together: torchvision fails here, was made for another torch release,
+    or is another build (cpu, cu130); with the command that installs the torchvision made for this torch."""
+    vision, wanted = report.torchvision_version, torchvision_for(report.torch_version)
+    if vision is None or wanted is None:
         return None
-    failure = report.imports.get("torchvision", "ok")
-    failure = failure if failure != "ok" else report.imports.get("torchvision.ops.nms", "ok")
-    what = f"fails in a fresh Python, as in a lesson ({failure})" if failed else "does not belong with this torch"
-    why = f"; it was made for torch {made_for}" if made_for and other_release else ""
-    if other_build:
-        why += f"; it is a {_build(vision)} build and torch a {_build(report.torch_version)} build"
+    labels = ("torchvision", "torchvision.ops.nms")
+    failure = next((report.imports[label] for label in labels if report.imports.get(label, "ok") != "ok"), None)
+    made_for, builds = torch_for(vision), (_build(vision), _build(report.torch_version))
+    problems = [f"fails in a fresh Python, as in a lesson ({failure})"] if failure else []
+    if made_for is not None and not report.torch_version.startswith(f"{made_for}."):
+        problems.append(f"was made for torch {made_for}")
+    if all(builds) and builds[0] != builds[1]:
+        problems.append(f"is a {builds[0]} build where torch is a {builds[1]} build")
+    if not problems:
+        return None
     return (
-        f"torchvision {vision} {what} (torch {report.torch_version}{why}). torchvision 0.(x+15) goes with torch 2.x: "
-        f"install torchvision {torchvision_for(report.torch_version)} for this torch: "
-        f"{torchvision_install_command(report.torch_version)}"
+        f"torchvision {vision} {'; it '.join(problems)} (torch {report.torch_version}). torchvision 0.(x+15) goes with "
+        f"torch 2.x: install torchvision {wanted} for this torch: {torchvision_install_command(report.torch_version)}"
     )
 
 

@@ -108,7 +108,7 @@ def test_a_torchvision_that_fails_is_broken_and_the_pair_to_install_is_named(
     assert report.torchvision_version == made_for_another_torch
     assert report.broken == broken and report.imports["torch"] == "ok", report.imports
     (pair,) = [warning for warning in warnings(report) if warning.startswith("torchvision")]
-    assert said in pair and "it was made for torch 2.13" in pair, pair
+    assert said in pair and "it was made for torch 2.13" in pair, pair  # torch here is 2.14 (torchvision 0.29)
     wanted = checkup.torchvision_for(torch.__version__)
     assert f'"torchvision=={wanted}.*"' in pair and "--no-deps" in pair, pair
     assert report.verdict.startswith("verdict: BROKEN") and "BROKEN" in str(report)
@@ -153,7 +153,7 @@ def test_a_cpu_torch_beside_a_cuda_torchvision_of_the_same_release_is_named_befo
     report = clean_report(torch_version="2.14.1+cpu", torchvision_version="0.29.1+cu130")
     report.imports = {"torch": "ok", "torchvision": "ok", "torchvision.ops.nms": "ok"}
     (pair,) = warnings(report)
-    assert "a cu130 build and torch a cpu build" in pair and "whl/cpu" in pair, pair
+    assert "is a cu130 build where torch is a cpu build" in pair and "whl/cpu" in pair, pair
     assert report.broken == [] and report.verdict == "verdict: ready, with 1 warning(s) above"
 
 

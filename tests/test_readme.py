@@ -47,15 +47,11 @@ class Reader:
         """Run every block up to `index` not run yet; fail if one of them (or an earlier one) failed."""
         monkeypatch.chdir(self.folder)  # the blocks write runs/... where they run
         monkeypatch.setenv("GPUKIT_PROFILE", "tiny")  # the sizes the blocks read from env.profile
-        threads = torch.get_num_threads()  # the first block sets env.threads, as a notebook does: restored after
-        try:
-            while self.done <= index:
-                where, source = BLOCKS[self.done]
-                self.done += 1
-                if self.failed is None and not NOT_RUN.search(source):
-                    self._run(where, source)
-        finally:
-            torch.set_num_threads(threads)
+        while self.done <= index:
+            where, source = BLOCKS[self.done]
+            self.done += 1
+            if self.failed is None and not NOT_RUN.search(source):
+                self._run(where, source)
         if self.failed is not None and not self.failed.startswith(BLOCKS[index][0]):
             raise AssertionError(f"an earlier block failed: {self.failed}")
 
@@ -71,7 +67,9 @@ class Reader:
 
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory):
-    return Reader(tmp_path_factory.mktemp("readme"))
+    threads = torch.get_num_threads()  # the first block sets env.threads for the blocks after it, as in a notebook
+    yield Reader(tmp_path_factory.mktemp("readme"))
+    torch.set_num_threads(threads)
 
 
 def test_the_readme_has_python_blocks_to_run():

@@ -31,6 +31,7 @@ LAYERS = [
         "gpukit.nbval",
         "gpukit.nbval_outputs",
         "gpukit.jupyter",
+        "gpukit.lab_contents",  # JupyterLab's contents manager for `gpukit lab`: jupyter.py's hooks in a class
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
     },

@@ -1,6 +1,7 @@
 """The `gpukit` command (also `python -m gpukit`).
 
-    gpukit doctor    print the environment report and its warnings
+    gpukit doctor    print the environment report and its warnings; exit code 1 where what the lessons
+                     import fails (a torch/torchvision pair that does not belong together): make setup ends with it
     gpukit train     train headless (a CNN on images, or a small GPT on text) and print the
                      held-out result and the throughput
     gpukit lab DIR   open the lessons in DIR in JupyterLab (copied there first if DIR has none)
@@ -49,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", required=True, metavar="{doctor,train,lessons,lab,gpu-check,site,nbval-sanitize-path}"
     )
 
-    doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
+    doctor = commands.add_parser(
+        "doctor",
+        help="report the environment and what looks wrong in it; exit code 1 where what the lessons import fails",
+    )
     doctor.set_defaults(handler=doctor_main)
 
     train = commands.add_parser(
@@ -264,8 +268,10 @@ def site_main(args: argparse.Namespace) -> int:
     return site.main(args.dir, args.lessons, args.executed, args.profile, args.cell_timeout)
 
 
-def doctor_main(args: argparse.Namespace) -> None:
-    print(collect())
+def doctor_main(args: argparse.Namespace) -> int:
+    report = collect()
+    print(report)
+    return 1 if report.broken else 0
 
 
 def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:

@@ -251,7 +251,7 @@ def test_lab_copies_the_lessons_into_an_empty_folder_and_hands_over_to_jupyterla
         monkeypatch.setattr(jupyter, "running_as_root", lambda as_root=as_root: as_root)
         assert main(["lab", str(tmp_path / "mine"), "--port=9999", "--no-browser"]) == 0
     root, user = started
-    assert root[1:4] == ["-m", "jupyterlab", jupyter.KEEP_LANGUAGE_INFO] and "--allow-root" in root
+    assert root[1:4] == ["-m", "jupyterlab", jupyter.CONTENTS_MANAGER] and "--allow-root" in root
     assert "--allow-root" not in user
     assert root[-3:] == ["--port=9999", "--no-browser", str(tmp_path / "mine")]  # the user's options, then the folder
     out = capsys.readouterr().out

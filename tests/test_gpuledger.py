@@ -254,7 +254,7 @@ IN_THE_IMAGE = {
 OWN = {"gpukit", "tests", "helpers", "fake_cuda", "cuda_guards", "gpu_lines", "open_in", "fit_overhead"}
 # Imported only by tests that skip without them, each with its reason (a browser, a Jupyter server, a graph library).
 OPTIONAL = {"playwright", "jupyter_server", "tomli", "torch_geometric"}
-DISTRIBUTION = {"IPython": "ipython", "bs4": "beautifulsoup4"}
+DISTRIBUTION = {"IPython": "ipython", "bs4": "beautifulsoup4", "zmq": "pyzmq"}
 
 
 def test_the_wheel_list_carries_every_module_the_gpu_machine_lacks():

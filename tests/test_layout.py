@@ -32,6 +32,7 @@ LAYERS = [
         "gpukit.nbval",
         "gpukit.nbval_outputs",
         "gpukit.jupyter",
+        "gpukit.lab_contents",  # JupyterLab's contents manager for `gpukit lab`: jupyter.py's hooks in a class
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
         "gpukit.claims",  # gk.check and its kin: a lesson's check in one line

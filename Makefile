@@ -32,7 +32,7 @@ PYTEST_ARGS ?=
 # Two fill CI's two cores: the suite took 17 min instead of about 30 in one. With an NVIDIA GPU, one: lessons
 # that time the GPU or fill its memory must not run beside each other. make test TEST_WORKERS=1 runs it in one.
 TEST_WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),1,2)
-# Your own JupyterLab options, after gpukit's: `gpukit lab` (gpukit/jupyter.py) gives JupyterLab gpukit's contents
+# Your own JupyterLab options, after gpukit's: `gpukit lab` (gpukit/commands/jupyter.py) gives JupyterLab gpukit's contents
 # manager, so that opening a lesson does not mark it modified and a lesson run leaves `git status` clean, and adds
 # --allow-root as root.
 LAB_ARGS ?=
@@ -42,7 +42,7 @@ LAB_ARGS ?=
 CPU ?=
 TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
 
-# The lessons' site (gpukit/site.py): _site/ is the folder actions/upload-pages-artifact publishes by default.
+# The lessons' site (gpukit/commands/site.py): _site/ is the folder actions/upload-pages-artifact publishes by default.
 SITE_DIR := _site
 # Empty: run every lesson here. A folder of executed lessons to publish as they are, e.g. the gpu profile's from
 # make gpu-check: make site FROM=runs/gpu-check/DATE-TIME/notebooks
@@ -98,7 +98,7 @@ unit: setup
 notebooks: setup
 	$(BIN)/python -m pytest --nbval-lax --nbval-kernel-name gpukit-lessons notebooks/
 
-# Exits 3 at once, running nothing, where there is no CUDA GPU (gpukit/gpucheck.py).
+# Exits 3 at once, running nothing, where there is no CUDA GPU (gpukit/commands/gpucheck.py).
 gpu-check: $(if $(PY),,setup)
 	$(or $(PY),$(BIN)/python) -m gpukit gpu-check
 

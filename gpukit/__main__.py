@@ -1,6 +1,6 @@
-"""`python -m gpukit …` runs the `gpukit` command (see gpukit/cli.py)."""
+"""`python -m gpukit …` runs the `gpukit` command (see gpukit/commands/cli.py)."""
 
-from .cli import main
+from .commands.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from gpukit import site
-from gpukit.site import is_check
+from gpukit.commands import site
+from gpukit.commands.site import is_check
 from tests.mutations import DIRECTIONS, KNOWN_SURVIVORS, MUTANTS, RECORD, Calls
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """Lessons 00 and 01 as a learner runs them: JupyterLab in headless Chromium, "Run All Cells" from the menu.
 
 Checks what nbval cannot see: opening a lesson does not mark it modified and closing it leaves the file
-byte-identical (gpukit lab's contents manager, gpukit/jupyter.py), no news pop-up covers it (the settings file make
+byte-identical (gpukit lab's contents manager, gpukit/commands/jupyter.py), no news pop-up covers it (the settings file make
 setup copies into the .venv), every cell ran with no error output, the live training progress bar rendered as a
 widget (not its text fallback) while training ran and then became one final text line, and the figures appeared as
 images.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.jupyter import lab_command
+from gpukit.commands.jupyter import lab_command
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ["00_environment_and_cpu_vs_gpu.ipynb", "01_train_a_cnn.ipynb"]

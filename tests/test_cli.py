@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gpukit
-from gpukit.cli import main
+from gpukit.commands.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA_GPU = gpukit.detect().device == "cuda"  # asks NVML, not the CUDA runtime
@@ -158,7 +158,7 @@ def test_unusable_checkpoint_dir_is_one_line_before_any_data(monkeypatch, capsys
     # sysfs refuses new entries to every user, root included (chmod does not stop root)
     folder = {"a file": a_file, "inside a file": a_file / "runs", "read-only": "/sys/gpukit-test-runs"}[case]
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
-    monkeypatch.setattr("gpukit.cli._data", lambda *args: pytest.fail("the data was built before the check"))
+    monkeypatch.setattr("gpukit.commands.cli._data", lambda *args: pytest.fail("the data was built before the check"))
     assert main(["train", "--checkpoint-dir", str(folder), "--device", "cpu"]) == 2
     error = capsys.readouterr().err
     assert error.startswith(f"gpukit: error: --checkpoint-dir '{folder}' ") and error.count("\n") == 1, error
@@ -297,7 +297,7 @@ def test_lessons_and_lab_refuse_a_dir_that_cannot_be_a_folder_in_one_line(tmp_pa
 @pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**64)])
 def test_train_refuses_a_seed_out_of_range_before_any_data(monkeypatch, capsys, seed):
     monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
-    monkeypatch.setattr("gpukit.cli._data", lambda *args: pytest.fail("the data was built before the check"))
+    monkeypatch.setattr("gpukit.commands.cli._data", lambda *args: pytest.fail("the data was built before the check"))
     assert main(["train", "--seed", seed, "--device", "cpu"]) == 2
     error = capsys.readouterr().err
     assert error == f"gpukit: error: --seed must be an integer in 0..4294967295 {error.split('4294967295 ', 1)[1]}"

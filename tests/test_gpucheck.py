@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpukit import cli, gpucheck
+from gpukit.commands import cli, gpucheck
 from gpukit.distributed import scaling
-from gpukit.gpucheck import Machine, StepResult
+from gpukit.commands.gpucheck import Machine, StepResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted((REPO_ROOT / "benchmarks").glob("*.py"))

@@ -1,4 +1,4 @@
-"""`gpu-check --budget` and `--collect` (gpukit/gpulease.py) and tools/gpu_lease.sh, without a GPU: items replaced by
+"""`gpu-check --budget` and `--collect` (gpukit/commands/gpulease.py) and tools/gpu_lease.sh, without a GPU: items replaced by
 made-up results or by tiny real commands, the GPU and the pre-flight faked where a GPU would answer, the lease
 script run with a fake python3. The cut tests kill a real check at seeded random moments."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit import cli, gpucheck, gpulease, gpuledger
-from gpukit.gpucheck import StepResult
+from gpukit.commands import cli, gpucheck, gpulease, gpuledger
+from gpukit.commands.gpucheck import StepResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 H200 = gpucheck.Machine(["NVIDIA H200"], "580.159", "13.0", "2.11.0+cu130", "3.12.3", None, "2026-12-01")
@@ -368,7 +368,7 @@ def test_collect_reads_and_checks_the_folder_before_it_changes_anything(damage, 
 
 DRIVER = """import sys
 from pathlib import Path
-from gpukit import cli, gpucheck, gpulease
+from gpukit.commands import cli, gpucheck, gpulease
 root = Path(sys.argv[1])
 gpucheck.repository_root = lambda: root
 gpucheck.no_gpu_message = lambda: None
@@ -533,7 +533,7 @@ def test_the_lease_script_prepares_here_with_the_budget_the_device_will_have(tmp
     setup, start = (int(script.split(f"\n{name}=")[1].split()[0]) for name in ("SETUP_PLANNED", "PYTHON_START"))
     assert (calls / "python3").read_text().split() == [
         "-m",
-        "gpukit.gpulease",
+        "gpukit.commands.gpulease",
         "prepare",
         "--budget",
         str(540 - setup - start),

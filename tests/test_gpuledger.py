@@ -1,4 +1,4 @@
-"""The GPU ledger and the plan of a short lease (gpukit/gpuledger.py): pure functions on made-up ledgers, git on a
+"""The GPU ledger and the plan of a short lease (gpukit/commands/gpuledger.py): pure functions on made-up ledgers, git on a
 repository made here, and `gpu-check --budget` with its items replaced by made-up results (no GPU needed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit import cli, gpucheck, gpulease, gpuledger
+from gpukit.commands import cli, gpucheck, gpulease, gpuledger
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 H100 = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "date": "2026-11-24T10:00:00"}

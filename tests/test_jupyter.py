@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.jupyter import keep_file_metadata
+from gpukit.commands.jupyter import keep_file_metadata
 
 # JupyterLab's server comes with the lab extra; a GPU machine running only nbval may lack it.
 pytest.importorskip("jupyter_server")
@@ -22,7 +22,7 @@ from jupyter_server.services.contents.filemanager import FileContentsManager  # 
 from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager  # noqa: E402
 from traitlets.config import Configurable  # noqa: E402
 
-from gpukit.lab_contents import LessonContentsManager  # noqa: E402
+from gpukit.commands.lab_contents import LessonContentsManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = ROOT / "notebooks" / "05_beyond_one_machine.ipynb"

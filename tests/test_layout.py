@@ -29,10 +29,6 @@ LAYERS = [
         "gpukit.precision",
         "gpukit.runfile",
         "gpukit.hardware.gpus",
-        "gpukit.nbval",
-        "gpukit.nbval_outputs",
-        "gpukit.jupyter",
-        "gpukit.lab_contents",  # JupyterLab's contents manager for `gpukit lab`: jupyter.py's hooks in a class
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
         "gpukit.claims",  # gk.check and its kin: a lesson's check in one line
@@ -44,17 +40,15 @@ LAYERS = [
         "gpukit.optim",
         "gpukit.plots",
         "gpukit.checkup",
-        "gpukit.gpucheck",
-        "gpukit.site",  # runs the lessons as gpu-check does (its child_environment)
     },
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor", "gpukit.inference"},
-    {"gpukit.gpuledger"},  # plans make gpu-check's runs within a lease
-    {"gpukit.gpulease"},  # runs that plan with gpucheck's steps, writing each as it ends
     {"gpukit.compiling", "gpukit.fp8"},  # regional compilation (uses bench and memory), FP8 numerics
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
     {"gpukit.practice"},  # the lessons' exercises: their checks train, launch and measure with everything below
-    {"gpukit.cli", "gpukit.__main__"},
+    # The shell's wing: the `gpukit` command and what it runs (gpu-check and its lease plans, the site, JupyterLab's
+    # hooks, nbval's plugin). The top layer, so nothing a learner reads imports it; its modules import one another.
+    {"gpukit.commands", "gpukit.__main__"},
 ]
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import gpukit as gk
-from gpukit import nbval
-from gpukit.cli import main
+from gpukit.commands import nbval
+from gpukit.commands.cli import main
 
 nbval_plugin = pytest.importorskip("nbval.plugin", reason="nbval is a dev extra: pip install -e '.[dev]'")
 nbclient = pytest.importorskip("nbclient", reason="nbclient comes with jupyterlab: pip install -e '.[dev]'")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit import site
+from gpukit.commands import site
 
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -25,7 +25,7 @@ except ImportError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 from gpukit import shipped
-from gpukit.cli import main
+from gpukit.commands.cli import main
 from tests import lessons_env
 
 markdown2html_mistune = pytest.importorskip("nbconvert.filters.markdown_mistune").markdown2html_mistune

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, TensorDataset
 
 import gpukit as gk
-from gpukit import cli
+from gpukit.commands import cli
 from gpukit.train.checkpoint import global_generators, read_checkpoint, restore_global_generators
 from tests.helpers import raising_at, tiny_gpt
 

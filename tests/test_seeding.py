@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import gpukit as gk
-from gpukit.cli import build_parser, train_main
+from gpukit.commands.cli import build_parser, train_main
 from tests.helpers import tiny_gpt
 
 pytestmark = pytest.mark.timeout(300)

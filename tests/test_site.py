@@ -1,4 +1,4 @@
-"""The lessons' site (gpukit/site.py, `make site`), the notebooks gpu-check keeps for it, and its CI workflow.
+"""The lessons' site (gpukit/commands/site.py, `make site`), the notebooks gpu-check keeps for it, and its CI workflow.
 
 Most tests read notebooks whose outputs are written here by hand (no kernel). Four run kernels: a small lesson
 executed by the builder (seconds), two more to see that each kernel stops when its lesson ends (seconds), the same
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# gpukit.site needs nbconvert (the dev extra): without it (a GPU machine's wheels that lack it) this file is skipped
+# gpukit.commands.site needs nbconvert (the dev extra): without it (a GPU machine's wheels that lack it) this file is skipped
 # with the reason, not a collection error that fails `gpu-check`'s tests step.
-pytest.importorskip("nbconvert", reason="gpukit.site needs nbconvert (the dev extra): pip install nbconvert")
+pytest.importorskip("nbconvert", reason="gpukit.commands.site needs nbconvert (the dev extra): pip install nbconvert")
 import nbformat  # noqa: E402  (after the skip: nbformat comes with nbconvert)
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output  # noqa: E402
 
@@ -324,7 +324,7 @@ def test_each_lessons_kernel_stops_when_the_lesson_ends(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # two pytest processes that import torch, and a kernel: 10-60 s
 def test_gpu_check_keeps_the_lessons_it_ran_for_the_site(tmp_path, monkeypatch):
-    """gpu-check's own lesson command (nbval with gpukit.nbval_outputs) on a small lesson, then the site from it."""
+    """gpu-check's own lesson command (nbval with gpukit.commands.nbval_outputs) on a small lesson, then the site from it."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # its pytest imports this checkout's plugin
     write(tmp_path / "notebooks", "04_small", lesson(SETUP, PLOT, FAILING_CHECK, CHECK))
     logs = tmp_path / "logs"

@@ -12,7 +12,7 @@
 # The script measures its own set-up (the wheels installed) and gives gpu-check --budget what is left of TOTAL less
 # PYTHON_START (Python and torch starting before gpu-check's clock runs); gpu-check ends by its budget by itself, and
 # `timeout` is the backstop: SIGTERM at TOTAL (gpu-check stops its item with all its processes, writes, exits), then
-# SIGKILL KILL_GRACE seconds later. Every finished item is already in $OUT when an item ends (gpukit/gpulease.py).
+# SIGKILL KILL_GRACE seconds later. Every finished item is already in $OUT when an item ends (gpukit/commands/gpulease.py).
 # Exit code: gpu-check's (0, 1, 3, 4, 5), 124 where timeout stopped it, 2 or 6 where the set-up failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ if [[ ${1:-} == prepare ]]; then
   fi
   python=${PYTHON:-python3}
   [[ -z ${PYTHON:-} && -x .venv/bin/python ]] && python=.venv/bin/python
-  exec "$python" -m gpukit.gpulease prepare --budget $((total - SETUP_PLANNED - PYTHON_START)) --gpu "NVIDIA H200"
+  exec "$python" -m gpukit.commands.gpulease prepare --budget $((total - SETUP_PLANNED - PYTHON_START)) --gpu "NVIDIA H200"
 fi
 
 total=${1:-540}
@@ -51,7 +51,7 @@ if ! python3 -m pip install -q --no-compile --no-index --no-deps --upgrade --tar
   exit 6
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-# nbconvert's templates (gpukit.site) and the kernelspec are data files: --target puts them under share/jupyter,
+# nbconvert's templates (gpukit.commands.site) and the kernelspec are data files: --target puts them under share/jupyter,
 # where Jupyter does not look unless told.
 export JUPYTER_PATH=/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
 left=$((total - SECONDS))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gpukit.cli import main
+from gpukit.commands.cli import main
 
 
 def kill_when_checkpointed(folder: Path, record: Path, rank: int) -> None:

@@ -1,6 +1,6 @@
 """A pytest plugin that keeps the notebooks nbval executed, with their outputs, for the lessons' site.
 
-    pytest -p gpukit.nbval_outputs --nbval-lax --nbval-keep-outputs DIR notebooks/
+    pytest -p gpukit.commands.nbval_outputs --nbval-lax --nbval-keep-outputs DIR notebooks/
 
 nbval runs each cell and compares or discards its outputs; with this plugin each notebook is also written to
 DIR/<name>.ipynb after every cell, with the outputs nbval received (an error's traceback included) and execution
@@ -24,7 +24,7 @@ def pytest_addoption(parser) -> None:
     parser.getgroup("nbval").addoption(
         "--nbval-keep-outputs",
         metavar="DIR",
-        help="write each notebook nbval runs to DIR/<name>.ipynb with its outputs (gpukit.nbval_outputs)",
+        help="write each notebook nbval runs to DIR/<name>.ipynb with its outputs (gpukit.commands.nbval_outputs)",
     )
 
 

@@ -40,8 +40,8 @@ from nbconvert import HTMLExporter
 from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
 from .gpucheck import child_environment
-from .runfile import git_commit
-from .shipped import folder
+from ..runfile import git_commit
+from ..shipped import folder
 
 LESSON_GLOB = "[0-9][0-9]*_*.ipynb"
 CELL_SECONDS = 600  # one cell; the tiny profile runs a whole lesson in 30-200 s on two busy cores
@@ -125,7 +125,7 @@ def execute(
     lesson ends, however it ends."""
     notebook = nbformat.read(path, as_version=4)
     variables = {**(variables or {}), **({"GPUKIT_PROFILE": profile} if profile else {})}
-    environment = child_environment(Path(__file__).resolve().parents[1], **variables)
+    environment = child_environment(Path(__file__).resolve().parents[2], **variables)
     environment.pop("MPLBACKEND", None)
     kernel = KernelManager(kernel_spec_manager=ThisPython())
     encrypt(kernel)

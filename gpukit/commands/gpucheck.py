@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from .env import detect
-from .report import format_value
-from .runfile import git_commit
+from ..env import detect
+from ..report import format_value
+from ..runfile import git_commit
 
 # Seconds. Every limit hit at once still ends within 30 minutes on one H100: 180 + 1200 + 360 s = 29 min.
 # The lessons' profile cells estimate 1-4 min each on one H100, about 18 min for all ten.
@@ -378,7 +378,7 @@ def lesson_command(notebook: Path, junit: Path, keep: Path, cell_seconds: int, s
     return [
         sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", str(notebook),
         f"--nbval-cell-timeout={cell_seconds}", "-o", f"timeout={seconds}", "-q", "-p", "no:cacheprovider",
-        f"--junitxml={junit}", "-p", "gpukit.nbval_outputs", f"--nbval-keep-outputs={keep}",
+        f"--junitxml={junit}", "-p", "gpukit.commands.nbval_outputs", f"--nbval-keep-outputs={keep}",
     ]  # fmt: skip
 
 
@@ -627,7 +627,7 @@ def summary(machine: Machine, results: list[StepResult], seconds: float, results
 
 def repository_root() -> Path:
     """The checkout this gpukit comes from: the check needs its tests/, notebooks/ and benchmarks/."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     missing = [name for name in ("tests", "notebooks", "benchmarks") if not (root / name).is_dir()]
     if missing:
         raise FileNotFoundError(

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 # The server option that gives JupyterLab gpukit's contents manager (gpukit/lab_contents.py): the two fixes above.
-CONTENTS_MANAGER = "--ServerApp.contents_manager_class=gpukit.lab_contents.LessonContentsManager"
+CONTENTS_MANAGER = "--ServerApp.contents_manager_class=gpukit.commands.lab_contents.LessonContentsManager"
 
 
 def running_as_root() -> bool:

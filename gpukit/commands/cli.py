@@ -26,14 +26,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import data, distributed, gpucheck, gpulease, jupyter, models, nbval, shipped
-from .checkup import collect
-from .env import PROFILES, detect, resolve_device, seed_everything
-from .precision import PRECISIONS, get_precision
-from .preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
-from .train import CheckpointError, History, NonFiniteLossError, fit
-from .train.checks import check_checkpoint_dir
-from .validation import check_seed
+from .. import data, distributed, models, shipped
+from . import gpucheck, gpulease, jupyter, nbval
+from ..checkup import collect
+from ..env import PROFILES, detect, resolve_device, seed_everything
+from ..precision import PRECISIONS, get_precision
+from ..preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
+from ..train import CheckpointError, History, NonFiniteLossError, fit
+from ..train.checks import check_checkpoint_dir
+from ..validation import check_seed
 
 DATASETS = ("shapes", "cifar10", "folder", "text")
 MODELS = ("fast_cnn", "resnet18", "gpt")

@@ -48,7 +48,7 @@ from pathlib import Path
 from . import gpucheck, gpuledger
 from .gpucheck import StepResult
 from .gpuledger import LEDGER_PATH, UNKNOWN, Plan
-from .runfile import git_commit
+from ..runfile import git_commit
 
 LEASE_FILE = ".whl/lease.json"  # written here by tools/gpu_lease.sh prepare; .whl/ is git-ignored and carried
 # Seconds of the check's own, taken off --budget before items are packed (the dry run plans with them too). Read
@@ -591,8 +591,8 @@ def collect(folder: Path, results_path: Path | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m gpukit.gpulease prepare [--budget SECONDS] [--gpu NAME]: write LEASE_FILE, then print the plan."""
-    parser = argparse.ArgumentParser(prog="python -m gpukit.gpulease", description=main.__doc__)
+    """python -m gpukit.commands.gpulease prepare [--budget SECONDS] [--gpu NAME]: write LEASE_FILE, then print the plan."""
+    parser = argparse.ArgumentParser(prog="python -m gpukit.commands.gpulease", description=main.__doc__)
     parser.add_argument("action", choices=["prepare"])
     parser.add_argument("--budget", type=float, default=480.0, help="gpu-check's seconds on the device")
     parser.add_argument("--gpu", default="NVIDIA H200", help="the GPU model the plan is for")

@@ -243,7 +243,7 @@ def test_train_on_your_image_folder(monkeypatch, capsys, tmp_path):
 
 
 def test_lab_copies_the_lessons_into_an_empty_folder_and_hands_over_to_jupyterlab(tmp_path, monkeypatch, capsys):
-    from gpukit import jupyter
+    from gpukit.commands import jupyter
 
     started = []
     monkeypatch.setattr("os.execv", lambda path, argv: started.append(argv))

@@ -23,7 +23,7 @@ pytest.importorskip("nbconvert", reason="gpukit.commands.site needs nbconvert (t
 import nbformat  # noqa: E402  (after the skip: nbformat comes with nbconvert)
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output  # noqa: E402
 
-from gpukit import cli, gpucheck, site  # noqa: E402
+from gpukit.commands import cli, gpucheck, site  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

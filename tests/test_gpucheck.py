@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpukit.commands import cli, gpucheck
-from gpukit.distributed import scaling
 from gpukit.commands.gpucheck import Machine, StepResult
+from gpukit.distributed import scaling
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted((REPO_ROOT / "benchmarks").glob("*.py"))

@@ -27,7 +27,14 @@ from pathlib import Path
 
 import torch
 
-from gpukit.commands.gpucheck import child_environment, chosen, first_failure, lesson_command, markdown_table, run_command
+from gpukit.commands.gpucheck import (
+    child_environment,
+    chosen,
+    first_failure,
+    lesson_command,
+    markdown_table,
+    run_command,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

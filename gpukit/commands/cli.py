@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import data, distributed, models, shipped
-from . import gpucheck, gpulease, jupyter, nbval
 from ..checkup import collect
 from ..env import PROFILES, detect, resolve_device, seed_everything
 from ..precision import PRECISIONS, get_precision
@@ -35,6 +34,7 @@ from ..preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
 from ..train import CheckpointError, History, NonFiniteLossError, fit
 from ..train.checks import check_checkpoint_dir
 from ..validation import check_seed
+from . import gpucheck, gpulease, jupyter, nbval
 
 DATASETS = ("shapes", "cifar10", "folder", "text")
 MODELS = ("fast_cnn", "resnet18", "gpt")

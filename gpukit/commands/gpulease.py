@@ -45,10 +45,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..runfile import git_commit
 from . import gpucheck, gpuledger
 from .gpucheck import StepResult
 from .gpuledger import LEDGER_PATH, UNKNOWN, Plan
-from ..runfile import git_commit
 
 LEASE_FILE = ".whl/lease.json"  # written here by tools/gpu_lease.sh prepare; .whl/ is git-ignored and carried
 # Seconds of the check's own, taken off --budget before items are packed (the dry run plans with them too). Read

@@ -39,9 +39,9 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
-from .gpucheck import child_environment
 from ..runfile import git_commit
 from ..shipped import folder
+from .gpucheck import child_environment
 
 LESSON_GLOB = "[0-9][0-9]*_*.ipynb"
 CELL_SECONDS = 600  # one cell; the tiny profile runs a whole lesson in 30-200 s on two busy cores

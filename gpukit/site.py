@@ -145,13 +145,28 @@ def shut_down(client: NotebookClient, kernel: KernelManager) -> None:
 # What an executed lesson shows
 
 
+CHECK_CALLS = ("check", "check_between")  # gpukit.claims' checks: each raises CheckFailed, an AssertionError
+
+
+def is_check_node(node: ast.AST) -> bool:
+    """An `assert` statement, or a call of gk.check / gk.check_between (also called without the `gk.`)."""
+    if isinstance(node, ast.Assert):
+        return True
+    if not isinstance(node, ast.Call):
+        return False
+    function = node.func
+    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    return name in CHECK_CALLS
+
+
 def is_check(source: str) -> bool:
-    """A check cell holds an `assert` statement (found by parsing, so a comment or a string saying "assert"
-    does not count; a cell that does not parse counts if a line starts with one)."""
+    """A check cell holds an `assert` statement or a gk.check / gk.check_between call (found by parsing, so a
+    comment or a string saying "assert" does not count; a cell that does not parse counts if a line starts with
+    one)."""
     try:
-        return any(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(source)))
+        return any(is_check_node(node) for node in ast.walk(ast.parse(source)))
     except SyntaxError:
-        return re.search(r"^\s*assert\b", source, re.M) is not None
+        return re.search(r"^\s*(assert\b|gk\.check(_between)?\()", source, re.M) is not None
 
 
 def _text(output) -> str:

@@ -102,7 +102,9 @@ def test_a_check_is_a_cell_with_an_assert_statement():
     assert not site.is_check("# we assert nothing here\nprint('assert')")
     assert not site.is_check("x = 1")
     assert site.is_check("gk.check(a < b, 'a is below b')")
-    assert site.is_check("if gpu:\n    gk.check_between(r, 0.8, 1.25, 'agree')\nelse:\n    gk.skip_check('x', 'no GPU')")
+    assert site.is_check(
+        "if gpu:\n    gk.check_between(r, 0.8, 1.25, 'agree')\nelse:\n    gk.skip_check('x', 'no GPU')"
+    )
     assert not site.is_check("gk.skip_check('the GPU check', 'no CUDA GPU')")  # says it skipped, checks nothing
 
 

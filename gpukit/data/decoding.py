@@ -131,8 +131,10 @@ BATCHES_PER_WORKER = 4  # batches each worker decodes per timed pass: one alone 
 
 
 class _DecodedInWorker(Dataset):
-    """Item i: batch i mod len(batches) decoded in one batched call where the item is fetched (a worker), and only
-    the number of images sent back: the decoder's work alone, as nvJPEG's pixels stay on the GPU."""
+    """Item i: batch i mod len(batches) decoded in one batched call where the item is fetched (a worker). Sent back:
+    how many images it decoded, and when the decoding began and ended (time.perf_counter, seconds: on Linux the
+    system's monotonic clock, one clock for every process), not the pixels: the decoder's work alone, as nvJPEG's
+    pixels stay on the GPU. The counts and times let a reader check the row's rate with a clock of its own."""
 
     def __init__(self, batches: Sequence[Sequence[bytes]], items: int):
         self.batches, self.items = list(batches), items
@@ -141,8 +143,10 @@ class _DecodedInWorker(Dataset):
     def __len__(self) -> int:
         return self.items
 
-    def __getitem__(self, index: int) -> int:
-        return len(decode_batch(self.batches[index % len(self.batches)]))
+    def __getitem__(self, index: int) -> tuple[int, float, float]:
+        started = time.perf_counter()
+        decoded = len(decode_batch(self.batches[index % len(self.batches)]))
+        return decoded, started, time.perf_counter()
 
 
 def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -158,14 +162,23 @@ def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("nan")
 
 
-def _best_rate(run, count: int, repeats: int) -> float:
-    """The best images/s of `repeats` passes of `run` over `count` images."""
-    rates = []
+def _best_pass(run, count: int, repeats: int) -> tuple[float, object]:
+    """The best images/s of `repeats` passes of `run` over `count` images, and what that pass returned."""
+    passes = []
     for _ in range(repeats):
         started = time.perf_counter()
-        run()
-        rates.append(_rate(count, time.perf_counter() - started))
-    return max(rates)
+        result = run()
+        passes.append((_rate(count, time.perf_counter() - started), result))
+    return max(passes, key=lambda rate_result: rate_result[0])
+
+
+def _as_the_workers_counted(run, result) -> dict:
+    """For a row decoded in worker processes (_DecodedInWorker): the images its best pass's workers said they
+    decoded, and the seconds from the first decode's start to the last one's end by their clock; {} for others."""
+    if not isinstance(getattr(run, "dataset", None), _DecodedInWorker):
+        return {}
+    counts, starts, ends = zip(*result)
+    return {"decoded_in_workers": sum(counts), "worker_seconds": max(ends) - min(starts)}
 
 
 def _each(chunks, work, device: torch.device) -> None:
@@ -229,7 +242,9 @@ def decode_table(
     """images/s of every decode and augment path on the same JPEG bytes (see the module docstring).
 
     Each row is the best of `repeats` passes over `encoded`; CPU rows state the processes and threads
-    they used. Rows that need a CUDA GPU say "skipped: no GPU" where there is none. gpu: None measures
+    they used. The two rows decoded in worker processes also hold, not shown, the images that pass's workers said
+    they decoded (`decoded_in_workers`) and the seconds between their first decode's start and their last one's end
+    by the workers' own clock (`worker_seconds`): the rate again, counted and timed apart from the row's. Rows that need a CUDA GPU say "skipped: no GPU" where there is none. gpu: None measures
     the CUDA rows where a CUDA GPU is present; False skips them ("skipped: gpu=False"); True requires them.
     """
     if not encoded:
@@ -268,8 +283,8 @@ def decode_table(
             rows.append(row | {"images_per_second": None, "note": "skipped: num_workers=0 (no worker processes)"})
         else:
             getattr(run, "warm_up", lambda: None)()
-            images = getattr(run, "images_per_pass", len(encoded))
-            rows.append(row | {"images_per_second": _best_rate(run, images, repeats)})
+            rate, result = _best_pass(run, getattr(run, "images_per_pass", len(encoded)), repeats)
+            rows.append(row | {"images_per_second": rate} | _as_the_workers_counted(run, result))
             getattr(run, "close", lambda: None)()  # worker processes end before the next row is timed
     for row in rows:
         row.setdefault("note", "")
@@ -277,6 +292,7 @@ def decode_table(
     shape = decode_batch(encoded[:1])[0].shape
     return Table(
         rows,
+        ["path", "device", "cpu_cores_used", "images_per_second", "note"],  # the workers' own counts: rows only
         title=f"decode and augment {len(encoded)} JPEGs of {shape[1]}×{shape[2]} to {size}×{size}, batches "
         f"of {batch_size}, {os.cpu_count()} CPU cores here",
     )

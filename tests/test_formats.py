@@ -208,6 +208,20 @@ def test_photo_jpegs_are_upscaled_grainy_and_reproducible(dataset):
         photo_jpegs(images.float(), 128)
 
 
+def test_photo_jpegs_are_the_bytes_a_store_of_their_pixels_holds(dataset, tmp_path):
+    """A store written from photo_images holds photo_jpegs' bytes: a lesson reads and decodes the same bytes."""
+    from gpukit.data.decoding import photo_images, photo_jpegs
+    from gpukit.data.formats import encode
+
+    pixels = photo_images(dataset.images[:3], 64, seed=1)
+    assert pixels.shape == (3, 3, 64, 64) and pixels.dtype == torch.uint8
+    jpegs = photo_jpegs(dataset.images[:3], 64, seed=1)
+    assert jpegs == [encode(image, "jpeg", 90) for image in pixels]  # what write_shards and write_files store
+    photos = gk.data.ImageDataset(pixels, dataset.labels[:3], dataset.classes)
+    stored = gk.data.FileImages(gk.data.write_files(photos, tmp_path / "files"))
+    assert sorted(stored.read(index) for index in range(3)) == sorted(jpegs)
+
+
 # Two JPEG decoders read the same quantised coefficients; the standard leaves them three freedoms, bounded here.
 # - The inverse DCT: each decoder within 1 level of the exact transform, with a mean-square error <= 0.06 per pixel
 #   (IEEE 1180, the accuracy JPEG's conformance tests ask): two decoders differ by <= 2, and by <= 2·sqrt(0.06) ≈ 0.49

@@ -28,7 +28,8 @@ batches of 1,000) against ~350–390/s for decode_jpeg on one CPU thread, about 
 the GPU was only 5× faster. The GPU's cost per call is fixed while the CPU's shrinks with the pixels,
 so small images gain less: compare on images of a few hundred pixels a side, in batches.
 
-`photo_jpegs(images, side)` makes test JPEGs that cost what photographs cost to decode.
+`photo_jpegs(images, side)` makes test JPEGs that cost what photographs cost to decode; `photo_images(images, side)`
+the pixels they encode.
 """
 
 from __future__ import annotations
@@ -68,21 +69,29 @@ def decode_batch(encoded: Sequence[bytes], device: str | torch.device = "cpu") -
     return io.decode_jpeg(_as_tensors(encoded), mode=io.ImageReadMode.RGB, device=device)
 
 
+def photo_images(images: torch.Tensor, side: int, *, grain: float = 8.0, seed: int = 0) -> torch.Tensor:
+    """uint8 images (N, 3, H, W) → uint8 images (N, 3, side, side): upscaled (bilinear), with Gaussian grain of std
+    `grain` (in 0–255 levels), so that as JPEGs they cost what photographs cost to decode (`photo_jpegs`)."""
+    if images.dtype != torch.uint8 or images.dim() != 4:
+        raise ValueError(
+            f"photo_images and photo_jpegs take uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}."
+        )
+    upscaled = torch.nn.functional.interpolate(images.float(), size=side, mode="bilinear")
+    noise = torch.randn(upscaled.shape, generator=torch.Generator().manual_seed(seed))
+    return (upscaled + grain * noise).round().clamp(0, 255).to(torch.uint8)
+
+
 def photo_jpegs(
     images: torch.Tensor, side: int, *, grain: float = 8.0, quality: int = 90, seed: int = 0
 ) -> list[bytes]:
-    """uint8 images (N, 3, H, W) → JPEG bytes of side×side: upscaled (bilinear), with Gaussian grain of std `grain`
-    (in 0–255 levels) so that they cost what photographs cost to decode.
+    """uint8 images (N, 3, H, W) → JPEG bytes of side×side: `photo_images`, encoded at `quality`, so that they cost
+    what photographs cost to decode. The same bytes as `write_shards` or `write_files` of those images store.
 
     Decoding time grows with the entropy-coded bytes: upscaled synthetic images alone are unnaturally smooth. With
     grain 8 at quality 90 a 512×512 JPEG holds ~77 kB, about what a photograph of that size holds, and decoded at ~800
     images/s on one CPU thread here, against ~1,400/s for the same images without grain (28 kB).
     """
-    if images.dtype != torch.uint8 or images.dim() != 4:
-        raise ValueError(f"photo_jpegs takes uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}.")
-    upscaled = torch.nn.functional.interpolate(images.float(), size=side, mode="bilinear")
-    noise = torch.randn(upscaled.shape, generator=torch.Generator().manual_seed(seed))
-    pixels = (upscaled + grain * noise).round().clamp(0, 255).to(torch.uint8)
+    pixels = photo_images(images, side, grain=grain, seed=seed)
     return [vision.io().encode_jpeg(image, quality=quality).numpy().tobytes() for image in pixels]
 
 

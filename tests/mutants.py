@@ -75,6 +75,9 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+CHECK_ERRORS = ("AssertionError", "CheckFailed")  # an assert, or gk.check / gk.check_between (an AssertionError)
+
+
 def first_error(notebook) -> tuple[int, str, str, bool] | None:
     """(cell index, exception name, its message, whether the cell is a check) of the first cell with an error."""
     for index, cell in enumerate(notebook.cells):
@@ -104,7 +107,7 @@ def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, st
         return (SURVIVED if mutant in calls.changed else NOT_APPLICABLE), ""
     if mutant not in calls.changed:
         return CRASHED, f"{detail} (the mutant changed nothing: the lesson failed by itself)"
-    return (KILLED if error and error[1] == "AssertionError" and error[3] else CRASHED), detail
+    return (KILLED if error and error[1] in CHECK_ERRORS and error[3] else CRASHED), detail
 
 
 def run_one(path: Path, mutant: str, profile: str, cell_seconds: float = CELL_SECONDS) -> Run:

@@ -273,10 +273,10 @@ def _both(*families: str) -> list[str]:
 # A check left one-sided survives its inverse: that is no reason to list here, but a check to bound on both sides.
 KINDS = ("cpu", "cuda")
 BY_HAND_ANYWHERE = (
-    "any machine: lesson 01, cell 15 (each gk.bench.compare time against a hand clock around the same call)"
+    "any machine: lesson 01, cell 16 (each gk.bench.compare time against a hand clock around the same call)"
 )
 FIT_RATE_BY_HAND = (
-    "any machine: lesson 01, cell 32, lesson 02, cell 8 and lesson 06, cell 24 (fit's rate against samples counted "
+    "any machine: lesson 01, cell 37, lesson 02, cell 9 and lesson 06, cell 24 (fit's rate against samples counted "
     "over a hand-timed span)"
 )
 KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
@@ -343,7 +343,7 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
     **{
         ("07", mutant, "cpu"): Known(
             "only the GPU rows move, and none is for a CPU; a GPU uses the datasheet peak",
-            "any machine: lesson 00, cell 29 (gk.bench's matmul rate against a hand-timed one)",
+            "any machine: lesson 00, cell 13 (gk.bench's matmul rate against a hand-timed one; on a GPU also cell 14)",
         )
         for mutant in _both("matmul_tflops")
     },
@@ -352,7 +352,7 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
     **{
         ("07", mutant, kind): Known(
             "the FLOPs cancel in every row: only the printed MFU moves",
-            "any machine: lesson 00, cell 23 and lesson 03, cell 29 (the FLOP counter against a count by hand)",
+            "any machine: lesson 00, cell 27 and lesson 03, cell 29 (the FLOP counter against a count by hand)",
         )
         for mutant in _both("flops_per_step")
         for kind in KINDS

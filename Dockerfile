@@ -16,7 +16,7 @@ COPY pyproject.toml README.md ./
 COPY gpukit ./gpukit
 COPY examples ./examples
 ENV PIP_NO_CACHE_DIR=1
-RUN pip install -e ".[dev,gpu]"
+RUN pip install -e ".[lab]"
 
 # Datasets and checkpoints belong on a mounted volume (/shared in examples/cluster), not in the image.
 CMD ["gpukit", "doctor"]

@@ -7,6 +7,12 @@ Nothing here initialises CUDA in this process, so a notebook can still fork GPU 
 calling `doctor()`: GPU facts come from NVML (the driver's management library), versions from
 what torch was built with, and the device from `gpukit.detect()`.
 
+What the lessons import is imported in a fresh Python, as a lesson's kernel would (`import_check`): gpukit's own
+dependencies, torchvision's compiled operators and image codecs run on a tiny tensor, and the `lessons` extra. A
+torch/torchvision pair that does not belong together (a CPU torch beside a CUDA torchvision: "operator
+torchvision::nms does not exist") fails there, and the report says which torchvision to install. A crash of that
+Python (a compiled library of the wrong build) is reported, not suffered.
+
 `gk.doctor()` is this module's `doctor` (the module is named for what it does, a checkup, so that
 `gpukit.doctor` is one thing: the function).
 """
@@ -15,9 +21,12 @@ from __future__ import annotations
 
 import html
 import importlib.metadata
+import json
 import os
 import platform
+import re
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
@@ -100,6 +109,19 @@ class Report:
     gpus: list[GPUStatus] = field(default_factory=list)
     nvidia_smi: bool = False  # nvidia-smi is on PATH: a hint of NVIDIA GPUs even without NVML
     pid: int = field(default_factory=os.getpid)  # the process that collected the report
+    # What the lessons import, tried in a fresh Python (import_check): label → "ok", "not installed (NAME)" or the
+    # error ("RuntimeError: operator torchvision::nms does not exist"). Empty: not checked.
+    imports: dict[str, str] = field(default_factory=dict)
+    import_check: str = "not run"  # "ok", or why the check gave no answer ("did not finish in 300 s")
+
+    @property
+    def broken(self) -> list[str]:
+        """What the lessons import that fails here: labels of IMPORT_CHECKS. Not empty: the lessons cannot run."""
+        return [
+            label
+            for label, outcome in self.imports.items()
+            if outcome != "ok" and not (label in LESSONS_EXTRA and outcome.startswith("not installed"))
+        ]
 
     @property
     def safe_threads(self) -> tuple[int, str]:
@@ -117,6 +139,7 @@ class Report:
             ("platform", self.platform),
             ("torch", self.torch_version),
             ("torchvision", self.torchvision_version or "not installed"),
+            ("what the lessons import", self._imports_fact()),
             ("CUDA runtime (torch built for)", self.cuda_runtime or "none (CPU-only build)"),
             ("cuDNN", self.cudnn_version),
             ("NCCL", self.nccl_version),
@@ -136,6 +159,16 @@ class Report:
             ("driver supports CUDA up to", self.driver_cuda_version),
         ]
         return Table([{"item": item, "value": value} for item, value in rows], title="gpukit doctor")
+
+    def _imports_fact(self) -> str:
+        if not self.imports:
+            return f"not checked ({self.import_check})" if self.import_check != "not run" else "not checked"
+        if self.broken:
+            return "FAILS: " + ", ".join(self.broken) + " (see the warnings)"
+        missing = [label for label, outcome in self.imports.items() if outcome != "ok"]
+        if missing:
+            return f"imports; not installed: {', '.join(missing)} (pip install 'gpukit[lessons]')"
+        return "all of it imports, torchvision's operators run"
 
     def gpu_table(self) -> Table:
         rows = [
@@ -180,10 +213,18 @@ class Report:
                 tables.append(self.process_table())
         return tables
 
+    @property
+    def verdict(self) -> str:
+        """One line: whether the lessons can run here (`gpukit doctor` exits 1 when they cannot)."""
+        if self.broken:
+            return f"verdict: BROKEN: {', '.join(self.broken)} fails to import or run; the lessons cannot run here"
+        count = len(warnings(self))
+        return f"verdict: ready, with {count} warning(s) above" if count else "verdict: ready"
+
     def __str__(self) -> str:
         found = warnings(self)
-        verdict = "\n".join(["Warnings:", *(f"- {warning}" for warning in found)]) if found else "no problems found"
-        return "\n\n".join([str(table) for table in self._tables()] + [verdict])
+        listed = "\n".join(["Warnings:", *(f"- {warning}" for warning in found)]) if found else "no problems found"
+        return "\n\n".join([str(table) for table in self._tables()] + [listed, self.verdict])
 
     __repr__ = __str__
 
@@ -194,6 +235,7 @@ class Report:
             verdict = f"<p><b>Warnings</b></p><ul>{items}</ul>"
         else:
             verdict = "<p><b>no problems found</b></p>"
+        verdict += f"<p><b>{html.escape(self.verdict)}</b></p>"
         return "<div>" + "".join(table._repr_html_() for table in self._tables()) + verdict + "</div>"
 
 
@@ -344,9 +386,72 @@ def _load_warning(report: Report) -> str | None:
     )
 
 
+def torchvision_for(torch_version: str) -> str | None:
+    """The torchvision release made for a torch 2.x release: 0.(x + 15). "2.14.1+cpu" → "0.29"; None for others."""
+    found = re.match(r"2\.(\d+)", torch_version)
+    return f"0.{int(found[1]) + 15}" if found else None
+
+
+def torch_for(torchvision_version: str) -> str | None:
+    """The torch release a torchvision 0.y (y >= 15) release was made for: 2.(y - 15). "0.28.0+cu130" → "2.13"."""
+    found = re.match(r"0\.(\d+)", torchvision_version)
+    return f"2.{int(found[1]) - 15}" if found and int(found[1]) >= 15 else None
+
+
+def _build(version: str) -> str | None:
+    """The build a PyTorch wheel's local version names: "2.14.1+cpu" → "cpu", "0.29.1+cu130" → "cu130"."""
+    return version.partition("+")[2] or None
+
+
+def torchvision_install_command(torch_version: str) -> str:
+    """The pip command that installs the torchvision made for this torch (same release and build), torch untouched."""
+    release, build = torchvision_for(torch_version), _build(torch_version)
+    # PyTorch's own index serves each build under its name (whl/cpu, whl/cu130); PyPI's wheels carry no build name.
+    index = f" --index-url https://download.pytorch.org/whl/{build}" if build else ""
+    return f'pip install --force-reinstall --no-deps "torchvision=={release}.*"{index}'
+
+
+def _pair_warning(report: Report) -> str | None:
+    """torch and torchvision that do not belong together: torchvision fails here, was made for another torch release,
+    or is another build (cpu, cu130); with the command that installs the torchvision made for this torch."""
+    vision, wanted = report.torchvision_version, torchvision_for(report.torch_version)
+    if vision is None or wanted is None:
+        return None
+    labels = ("torchvision", "torchvision.ops.nms")
+    failure = next((report.imports[label] for label in labels if report.imports.get(label, "ok") != "ok"), None)
+    made_for, builds = torch_for(vision), (_build(vision), _build(report.torch_version))
+    problems = [f"fails in a fresh Python, as in a lesson ({failure})"] if failure else []
+    if made_for is not None and not report.torch_version.startswith(f"{made_for}."):
+        problems.append(f"was made for torch {made_for}")
+    if all(builds) and builds[0] != builds[1]:
+        problems.append(f"is a {builds[0]} build where torch is a {builds[1]} build")
+    if not problems:
+        return None
+    return (
+        f"torchvision {vision} {'; it '.join(problems)} (torch {report.torch_version}). torchvision 0.(x+15) goes with "
+        f"torch 2.x: install torchvision {wanted} for this torch: {torchvision_install_command(report.torch_version)}"
+    )
+
+
+def _import_warnings(report: Report) -> list[str]:
+    """One warning per thing the lessons import that fails, the torch/torchvision pair first."""
+    pair = _pair_warning(report)
+    found = [pair]
+    for label in report.broken:
+        if pair and label.startswith("torchvision"):  # said with the pair to install
+            continue
+        outcome = report.imports[label]
+        extra = "pip install 'gpukit[lessons]'" if label in LESSONS_EXTRA else "pip install gpukit again"
+        found.append(f"{label} fails in a fresh Python, as in a lesson: {outcome}. Reinstall it ({extra}).")
+    if report.import_check not in ("ok", "not run"):
+        found.append(f"what the lessons import could not be checked: {report.import_check}")
+    return [warning for warning in found if warning]
+
+
 def warnings(report: Report) -> list[str]:
     """What looks wrong in `report`, each with what to do about it. Empty: no problems found."""
-    found = [f"gpukit.detect() failed: {report.detect_error}"] if report.detect_error else []
+    found = _import_warnings(report)
+    found += [f"gpukit.detect() failed: {report.detect_error}"] if report.detect_error else []
     found += [_driver_warning(report)]
     found += [_clock_warning(gpu) for gpu in report.gpus]
     found += [_process_warning(gpu, report.pid) for gpu in report.gpus]
@@ -469,8 +574,91 @@ def _gpu_status(pynvml, index: int, handle) -> GPUStatus:
     )
 
 
-def collect() -> Report:
-    """Gather the facts of this environment, without initialising CUDA in this process."""
+# What the lessons import, as (label, Python statements): gpukit's own dependencies, torchvision's compiled operators
+# (its _C library: the first to fail when torch and torchvision do not belong together) and its image codecs (its
+# image library), then the `lessons` extra (LESSONS_EXTRA: without it only the lessons that need it stop).
+IMPORT_CHECKS = {
+    "torch": "import torch",
+    "torchvision": "import torchvision",
+    "torchvision.ops.nms": "assert torchvision.ops.nms(torch.ones(1, 4).cumsum(1), torch.ones(1), 0.5).tolist() == [0]",
+    "torchvision.io.decode_jpeg": "torchvision.io.decode_jpeg(torchvision.io.encode_jpeg(torch.zeros(3, 8, 8).byte()))",
+    "numpy": "import numpy",
+    "matplotlib": "import matplotlib.pyplot",
+    "ipywidgets": "import ipywidgets",
+    "tqdm": "import tqdm.auto",
+    "cloudpickle": "import cloudpickle",
+    "yaml": "import yaml",
+    "webdataset": "import webdataset",
+    "tensorboard": "import torch.utils.tensorboard",
+    "timm": "import timm",
+    "torchao": "import torchao",
+    "pynvml": "import pynvml",
+}
+LESSONS_EXTRA = ("yaml", "webdataset", "tensorboard", "timm", "torchao", "pynvml")
+IMPORT_SECONDS = 300  # all of it took 8-15 s on two busy cores (timm and torchao ~10 s each alone, sharing most)
+
+# Run in a fresh Python: one line per label as soon as it is known, so that a crash still names what it was trying.
+_PROBE = """
+import importlib.util, json, sys
+failed = set()
+for label, statement in json.loads(sys.argv[1]).items():
+    if label.split(".")[0] in failed:  # torchvision's operators, where torchvision itself fails: said once
+        continue
+    print("trying " + label, flush=True)
+    try:
+        exec(statement)
+        outcome = "ok"
+    except ModuleNotFoundError as error:
+        top = (error.name or "").split(".")[0]
+        missing = top and importlib.util.find_spec(top) is None
+        outcome = f"not installed ({top})" if missing else f"ModuleNotFoundError: {error}"
+    except Exception as error:  # a probe: whatever a broken install raises (ImportError, OSError, RuntimeError, ...)
+        first = str(error).strip().splitlines()[:1]
+        outcome = type(error).__name__ + (": " + first[0][:300] if first else "")
+    if outcome != "ok":
+        failed.add(label)
+    print("outcome " + json.dumps([label, outcome]), flush=True)
+"""
+
+
+def import_check(seconds: float = IMPORT_SECONDS) -> tuple[dict[str, str], str]:
+    """(label → outcome for IMPORT_CHECKS, "ok" or why the check gave no answer), from a fresh Python.
+
+    A fresh process, as a lesson's kernel: a broken library can neither leave this one half-imported nor crash it,
+    and CUDA stays untouched here. torchvision's checks are skipped where torchvision itself fails."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, json.dumps(IMPORT_CHECKS)],
+            capture_output=True,
+            text=True,
+            timeout=seconds,
+        )
+    except subprocess.TimeoutExpired as error:
+        found, trying = _probe_lines(error.stdout)
+        return found, f"did not finish in {seconds:.0f} s (it was importing {trying})"
+    found, trying = _probe_lines(done.stdout)
+    if trying is not None:  # the process died on it: a segmentation fault in a compiled library, say
+        found[trying] = f"crashed the Python process (exit code {done.returncode})"
+    return found, "ok"
+
+
+def _probe_lines(stdout: str | bytes | None) -> tuple[dict[str, str], str | None]:
+    """The outcomes the probe printed, and the label it was trying when it stopped (None: it finished)."""
+    text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout or ""
+    found, trying = {}, None
+    for line in text.splitlines():
+        if line.startswith("trying "):
+            trying = line[len("trying ") :]
+        elif line.startswith("outcome "):
+            label, outcome = json.loads(line[len("outcome ") :])
+            found[label], trying = outcome, None
+    return found, trying
+
+
+def collect(check_imports: bool = True) -> Report:
+    """Gather the facts of this environment, without initialising CUDA in this process.
+
+    check_imports: import what the lessons import in a fresh Python (8-15 s, import_check); False skips it."""
     try:
         # From the installed package's metadata: importing torchvision takes seconds.
         torchvision_version = importlib.metadata.version("torchvision")
@@ -483,6 +671,7 @@ def collect() -> Report:
     except ValueError as error:  # a bad GPUKIT_PROFILE: report it rather than fail the doctor
         device, profile, profile_reason, detect_error = None, None, "", str(error)
         visible_gpus = []
+    imports, import_state = import_check() if check_imports else ({}, "not run")
     return Report(
         python_version=sys.version.split()[0],
         platform=platform.platform(),
@@ -502,16 +691,19 @@ def collect() -> Report:
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         visible_gpus=visible_gpus,
         nvidia_smi=shutil.which("nvidia-smi") is not None,
+        imports=imports,
+        import_check=import_state,
         **_nvml_facts(),
     )
 
 
-def doctor() -> Report:
+def doctor(check_imports: bool = True) -> Report:
     """Report this environment and what looks wrong in it; shows as a table in Jupyter and in print().
 
-    Safe before forking GPU workers: it never initialises CUDA in this process.
+    Safe before forking GPU workers: it never initialises CUDA in this process. check_imports: try what the lessons
+    import in a fresh Python (8-15 s); `report.broken` lists what fails.
     """
-    return collect()
+    return collect(check_imports)
 
 
 __getattr__ = renamed(__name__, {"decode_clock_reasons": "gpukit.hardware.clocks:clock_reasons"})

@@ -1,6 +1,7 @@
 """The `gpukit` command (also `python -m gpukit`).
 
-    gpukit doctor    print the environment report and its warnings
+    gpukit doctor    print the environment report and its warnings; exit code 1 where what the lessons
+                     import fails (a torch/torchvision pair that does not belong together): make setup ends with it
     gpukit train     train headless (a CNN on images, or a small GPT on text) and print the
                      held-out result and the throughput
     gpukit lab DIR   open the lessons in DIR in JupyterLab (copied there first if DIR has none)
@@ -18,18 +19,21 @@ one-line `gpukit: error: …` on stderr and exit code 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import data, distributed, gpucheck, gpuledger, jupyter, models, nbval, shipped
+from . import data, distributed, gpucheck, gpulease, jupyter, models, nbval, shipped
 from .checkup import collect
 from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
+from .preemption import EXIT_PREEMPTED, Preempted, sigterm_raises
 from .train import CheckpointError, History, NonFiniteLossError, fit
 from .train.checks import check_checkpoint_dir
+from .validation import check_seed
 
 DATASETS = ("shapes", "cifar10", "folder", "text")
 MODELS = ("fast_cnn", "resnet18", "gpt")
@@ -46,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", required=True, metavar="{doctor,train,lessons,lab,gpu-check,site,nbval-sanitize-path}"
     )
 
-    doctor = commands.add_parser("doctor", help="report the environment and what looks wrong in it")
+    doctor = commands.add_parser(
+        "doctor",
+        help="report the environment and what looks wrong in it; exit code 1 where what the lessons import fails",
+    )
     doctor.set_defaults(handler=doctor_main)
 
     train = commands.add_parser(
@@ -170,19 +177,21 @@ def _add_gpu_check(commands) -> None:
 
 
 def _add_budget_options(check) -> None:
-    """gpu-check --budget and its company (gpukit/gpuledger.py): a check planned from benchmarks/gpu-ledger.json."""
+    """gpu-check --budget and its company (gpukit/gpulease.py): a check planned from benchmarks/gpu-ledger.json."""
     check.add_argument(
         "--budget",
         type=float,
         metavar="SECONDS",
-        help="run what is due in the ledger (never passed on a GPU, or changed since), most valuable first, packed "
-        "into SECONDS; record each in benchmarks/gpu-ledger.json (ignores --steps and --seconds)",
+        help="run what is due in the ledger (never run on a GPU, failed, or changed since), most valuable first, "
+        "ending within SECONDS in all; record each in benchmarks/gpu-ledger.json (ignores --steps and --seconds)",
     )
     check.add_argument(
         "--dry-run", action="store_true", help="with --budget: print the plan, run nothing (no GPU needed)"
     )
     check.add_argument("--leases", type=int, default=1, help="with --dry-run: plan this many leases in a row")
-    check.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="with --dry-run: the GPU the plan is for")
+    check.add_argument(
+        "--gpu", default="NVIDIA H200", help="with --dry-run: the GPU the plan is for (the lent machines: an H200)"
+    )
     check.add_argument(
         "--out", type=Path, help="with --budget: write results.md, summary.txt, the ledger and logs here"
     )
@@ -197,9 +206,11 @@ def _add_budget_options(check) -> None:
 def gpu_check_main(args: argparse.Namespace) -> int:
     only = args.only.split(",") if args.only else None
     if args.collect:
-        return gpuledger.collect(args.collect, args.results)
+        if args.budget is not None or args.dry_run:
+            raise ValueError("gpu-check --collect runs nothing: give it without --budget and --dry-run.")
+        return gpulease.collect(args.collect, args.results)
     if args.budget is not None:
-        return gpuledger.run_budget_check(
+        return gpulease.run_budget_check(
             args.budget,
             only=only,
             leases=args.leases,
@@ -208,6 +219,10 @@ def gpu_check_main(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             results_path=args.results,
             gpu=args.gpu,
+        )
+    if args.dry_run or args.out or args.leases != 1:  # else the whole 29-minute check would start
+        raise ValueError(
+            "gpu-check --dry-run, --out and --leases plan or write a budgeted check: give --budget SECONDS."
         )
     return gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir, only=only, seconds=args.seconds)
 
@@ -253,8 +268,10 @@ def site_main(args: argparse.Namespace) -> int:
     return site.main(args.dir, args.lessons, args.executed, args.profile, args.cell_timeout)
 
 
-def doctor_main(args: argparse.Namespace) -> None:
-    print(collect())
+def doctor_main(args: argparse.Namespace) -> int:
+    report = collect()
+    print(report)
+    return 1 if report.broken else 0
 
 
 def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
@@ -277,6 +294,7 @@ def _check_train_args(args: argparse.Namespace, sizes: dict[str, int]) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value}.")
     if args.lr is not None and args.lr <= 0:
         raise ValueError(f"--lr must be positive, got {args.lr}.")
+    check_seed(args.seed, "--seed")
     # A file, or a folder that cannot be written, is said now: not after the data is built and an epoch trained.
     check_checkpoint_dir(args.checkpoint_dir, "--checkpoint-dir")
 
@@ -369,7 +387,7 @@ def train_main(args: argparse.Namespace) -> History:
 
 
 def lessons_main(args: argparse.Namespace) -> None:
-    copies = shipped.copy_lessons(args.dir, overwrite=args.force)
+    copies = shipped.copy_lessons(args.dir, overwrite=args.force, name="DIR")
     print(f"copied {len(copies)} lessons to {Path(args.dir).resolve()}; open them with: gpukit lab {args.dir}")
 
 
@@ -380,7 +398,7 @@ def lab_main(args: argparse.Namespace) -> int:
         )
     folder = Path(args.dir)
     if not list(folder.glob("[0-9][0-9]*_*.ipynb")):
-        copies = shipped.copy_lessons(folder)
+        copies = shipped.copy_lessons(folder, name="DIR")
         print(f"copied {len(copies)} lessons to {folder.resolve()}")
     if jupyter.running_as_root():
         print("running as root: JupyterLab starts with --allow-root")
@@ -401,10 +419,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `gpukit` command with `argv` (default: sys.argv[1:]) and return its exit code.
 
     A malformed command line (unknown option, not a number) exits through argparse, with code 2.
+    `train` stopped by SIGTERM (a scheduler preempting the job, torchrun stopping its workers) ends with one line
+    saying which save resumes it, and code 143.
     """
     args = build_parser().parse_args(argv)
     try:
-        code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
+        with sigterm_raises() if args.command == "train" else contextlib.nullcontext():
+            code = args.handler(args)  # gpu-check returns its exit code; the others return None or a History
+    except Preempted as error:
+        said = " ".join(getattr(error, "__notes__", [])) or "it was stopped before training started"
+        resume = " Run the same command again to resume." if getattr(args, "checkpoint_dir", None) else ""
+        print(f"gpukit: {_one_line(error)}: {_one_line(said)}{resume}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT

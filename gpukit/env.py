@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from .validation import check_seed
+
 PROFILE_NAMES = ("tiny", "cpu", "gpu")
 
 
@@ -538,7 +540,9 @@ def synchronize(device: torch.device | str | None) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices) so that a run can be repeated."""
+    """Seed Python, NumPy and torch (all devices) so that a run can be repeated. `seed`: an integer in
+    gk.validation.SEED_RANGE (0..2**32-1), Python's or NumPy's."""
+    seed = check_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device, lazily, without initialising CUDA

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +69,34 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True  # another user's process
     return True
+
+
+def writable_folder(path: str | Path, name: str, purpose: str) -> Path:
+    """`path` as a Path once it is a folder this process can create files in (made now if missing); else a ValueError
+    that names the argument (`name`), what is in the way, and what to do. `purpose` says what the folder is for.
+    mkdir and open alone say only "File exists", "Not a directory" or "No such file or directory" for these."""
+    folder = Path(path)
+    instead = f"pass a folder path ({purpose})"
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{name} {str(folder)!r} is a file, not a folder; {instead}.")
+    blocking = next((part for part in reversed(folder.parents) if part.exists() and not part.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{name} {str(folder)!r} cannot be made: {str(blocking)!r} in its path is a file; {instead}.")
+    if folder.resolve().parts[1:2] in (("proc",), ("sys",)):
+        raise ValueError(
+            f"{name} {str(folder)!r} lies in /{folder.resolve().parts[1]}, the kernel's view of processes and devices, "
+            f"where no files can be written; pass a folder on a disk ({purpose})."
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # what copying or saving into it needs: a new file
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{name} {str(folder)!r} cannot be written: {error.strerror or error}; pass a folder you can write to "
+            f"({purpose})."
+        ) from error
+    return folder
 
 
 def save_atomic(state, path: str | Path) -> None:

@@ -12,6 +12,8 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+from .files import writable_folder
+
 IN_A_CLONE = {"lessons": "notebooks", "cluster": "examples/cluster"}  # name -> folder beside the package
 
 
@@ -30,12 +32,14 @@ def folder(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def copy_lessons(destination: str | Path, overwrite: bool = False) -> list[Path]:
+def copy_lessons(destination: str | Path, overwrite: bool = False, name: str = "destination") -> list[Path]:
     """Copy every lesson notebook into `destination` (made if missing) and return the copies' paths.
 
     A lesson already there is kept (your edits are never lost) unless `overwrite`: the error names them.
+    A destination that cannot be a folder (a file, a path through a file, /proc) is a ValueError naming it as
+    `name` (the command line's DIR), before anything is copied.
     """
-    destination = Path(destination)
+    destination = writable_folder(destination, name, "the lessons are copied into it")
     lessons = sorted(folder("lessons").glob("[0-9][0-9]*_*.ipynb"))
     if not lessons:
         raise FileNotFoundError(f"no lessons in {folder('lessons')}: reinstall gpukit")

@@ -4,9 +4,13 @@ Each lesson runs top to bottom in a fresh Jupyter kernel (nbclient), in its note
 the profile gpukit chooses for the machine (tiny in CI or on two cores, gpu with a CUDA GPU) or the one asked for.
 `--from DIR` publishes notebooks executed before instead, running nothing: `make gpu-check` keeps the lessons it
 ran in runs/gpu-check/DATE-TIME/notebooks/. nbconvert turns each lesson into one self-contained page (figures
-embedded, no script or stylesheet loaded from elsewhere, so it reads offline), with a badge under each check (a
-code cell with an `assert`): passed, failed or not run. index.html lists every lesson with its profile, device,
-run date, time, checks passed and figures.
+embedded, no script, stylesheet or image loaded from elsewhere, so it reads offline: the lessons' Open in Colab and
+Kaggle badges become plain links), with a pill under each check cell (one that calls `gk.check`, `gk.check_between`
+or `gk.skip_check`, or holds an `assert`): passed, failed, not run, or skipped here where every check it holds
+printed "skipped" (a GPU-only claim on a CPU), and how many ran where only some did. A cell whose code is hidden in
+JupyterLab (its metadata `jupyter.source_hidden`, as the lessons' check cells are) shows its code folded under
+"check (code hidden)", its output in full. index.html lists every lesson with its profile, device, run date, time,
+checks passed and skipped, and figures.
 
 The build fails, naming the lesson and the cell, where a lesson raised an error, left a cell unrun or showed no
 figure: CI publishes nothing rather than a broken lesson. Why nbconvert and not Jupyter Book or mkdocs-jupyter:
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import ipykernel.kernelspec
 import nbformat
+import zmq
 from jinja2 import DictLoader
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
@@ -45,21 +50,31 @@ FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
 WIDGET_TYPE = "application/vnd.jupyter.widget-view+json"
 # The setup cell of every lesson prints the Env: "device=cuda gpus=1 (NVIDIA H100 80GB HBM3) bf16=True … profile=gpu (…)"
 ENV_LINE = re.compile(r"^device=(?P<device>\S+) gpus=\d+ \((?P<gpus>.*)\) bf16=.* profile=(?P<profile>\w+)", re.M)
-SKIPPED_LINE = re.compile(r"^skipped\b", re.M | re.I)  # a check's part that needs a GPU says it was skipped
+# The lines gk.check / gk.check_between and gk.skip_check print (gpukit/claims.py): one per check.
+SKIPPED_LINE = re.compile(r"^skipped\b", re.M | re.I)  # a check this machine cannot make, e.g. a GPU-only claim
+PASSED_LINE = re.compile(r"^check passed\b", re.M | re.I)
 
 
 @dataclass
 class Check:
     cell: int  # the cell's index in the notebook, counted from 0 as nbformat does
     cell_id: str
-    status: str  # "passed" (ran without error), "failed" or "not run"
-    skipped: int = 0  # lines starting "skipped" that the cell printed: parts of the check this machine cannot do
+    status: str  # "passed" (ran without error), "failed", "not run", or "skipped" (every check it holds skipped)
+    skipped: int = 0  # lines starting "skipped" that the cell printed: checks this machine cannot make
+    passed_lines: int = 0  # lines starting "check passed": checks that ran and held (a plain assert prints none)
 
     @property
     def label(self) -> str:
-        marks = {"passed": "✓ check passed", "failed": "✗ check failed", "not run": "– check not run"}
-        parts = f" · {self.skipped} part{'s' * (self.skipped > 1)} skipped here (see below)" if self.skipped else ""
-        return marks[self.status] + parts
+        if self.status == "skipped":
+            # It printed only "skipped" lines: no check of it says it ran (a plain assert would say nothing either).
+            what = "check" if self.skipped == 1 else f"{self.skipped} checks"
+            return f"– {what} skipped here (see below)"
+        if self.status == "passed" and self.skipped:
+            ran = self.passed_lines
+            return f"✓ {ran} of {ran + self.skipped} checks ran and passed · {self.skipped} skipped here (see below)"
+        if self.status == "passed" and self.passed_lines > 1:
+            return f"✓ {self.passed_lines} checks passed"
+        return {"passed": "✓ check passed", "failed": "✗ check failed", "not run": "– check not run"}[self.status]
 
 
 @dataclass
@@ -77,6 +92,11 @@ class Lesson:
     @property
     def passed(self) -> int:
         return sum(check.status == "passed" for check in self.checks)
+
+    @property
+    def skipped(self) -> int:
+        """Check cells that asserted nothing here: every check they hold was skipped."""
+        return sum(check.status == "skipped" for check in self.checks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +128,7 @@ def execute(
     environment = child_environment(Path(__file__).resolve().parents[1], **variables)
     environment.pop("MPLBACKEND", None)
     kernel = KernelManager(kernel_spec_manager=ThisPython())
+    encrypt(kernel)
     client = NotebookClient(
         notebook,
         km=kernel,
@@ -131,6 +152,14 @@ def execute(
     return notebook
 
 
+def encrypt(kernel: KernelManager) -> None:
+    """CurveZMQ keys for the lesson's kernel, where jupyter_client can provision them (8.10 and newer) and pyzmq has
+    CurveZMQ: its messages (code and outputs) are encrypted, and ipykernel does not print "Kernel is running over TCP
+    without encryption" once per lesson. Elsewhere the kernel runs as before (older ipykernels do not warn)."""
+    if "transport_encryption" in kernel.trait_names() and zmq.has("curve"):
+        kernel.transport_encryption = "required"
+
+
 def shut_down(client: NotebookClient, kernel: KernelManager) -> None:
     """Close the client's channels and stop the lesson's kernel. nbclient shuts down only a kernel manager it
     created itself (its `owns_km`); `execute` gives it one of its own (to run this Python), so without this every
@@ -145,28 +174,27 @@ def shut_down(client: NotebookClient, kernel: KernelManager) -> None:
 # What an executed lesson shows
 
 
-CHECK_CALLS = ("check", "check_between")  # gpukit.claims' checks: each raises CheckFailed, an AssertionError
+CHECK_CALLS = ("check", "check_between", "skip_check")  # gk.check, gk.check_between, gk.skip_check (gpukit/claims.py)
 
 
 def is_check_node(node: ast.AST) -> bool:
-    """An `assert` statement, or a call of gk.check / gk.check_between (also called without the `gk.`)."""
+    """An `assert` statement, or a call of one of the lessons' check helpers (`gk.check(...)`, `check_between(...)`)."""
     if isinstance(node, ast.Assert):
         return True
     if not isinstance(node, ast.Call):
         return False
-    function = node.func
-    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
     return name in CHECK_CALLS
 
 
 def is_check(source: str) -> bool:
-    """A check cell holds an `assert` statement or a gk.check / gk.check_between call (found by parsing, so a
-    comment or a string saying "assert" does not count; a cell that does not parse counts if a line starts with
-    one)."""
+    """A check cell holds an `assert` statement or calls gk.check, gk.check_between or gk.skip_check (found by
+    parsing, so a comment or a string saying "assert" does not count; a cell that does not parse counts if a line
+    starts with one)."""
     try:
         return any(is_check_node(node) for node in ast.walk(ast.parse(source)))
     except SyntaxError:
-        return re.search(r"^\s*(assert\b|gk\.check(_between)?\()", source, re.M) is not None
+        return re.search(r"^\s*(assert\b|gk\.(check|check_between|skip_check)\()", source, re.M) is not None
 
 
 def _text(output) -> str:
@@ -180,9 +208,20 @@ def _errors(cell) -> list:
 
 
 def check_outcome(cell) -> str:
+    """failed (an error), not run, skipped (it ran but printed only "skipped" lines: it asserted nothing here), or
+    passed (a plain `assert` cell that printed no line at all passed, as before the helpers)."""
     if _errors(cell):
         return "failed"
-    return "not run" if cell.get("execution_count") is None else "passed"
+    if cell.get("execution_count") is None:
+        return "not run"
+    printed = "".join(_text(output) for output in cell.get("outputs", []))
+    return "skipped" if SKIPPED_LINE.search(printed) and not PASSED_LINE.search(printed) else "passed"
+
+
+def _check(index: int, cell) -> Check:
+    printed = "".join(_text(output) for output in cell.get("outputs", []))
+    skipped, passed = len(SKIPPED_LINE.findall(printed)), len(PASSED_LINE.findall(printed))
+    return Check(index, cell.get("id", ""), check_outcome(cell), skipped, passed)
 
 
 def _run_facts(notebook) -> tuple[str, str]:
@@ -236,12 +275,7 @@ def _problems(notebook, figures: int) -> list[str]:
 def describe(notebook, name: str, path: Path | None = None) -> Lesson:
     """What an executed lesson shows: its checks' outcomes, its figures and what would fail the build."""
     checks = [
-        Check(
-            index,
-            cell.get("id", ""),
-            check_outcome(cell),
-            sum(len(SKIPPED_LINE.findall(_text(o))) for o in cell.outputs),
-        )
+        _check(index, cell)
         for index, cell in enumerate(notebook.cells)
         if cell.cell_type == "code" and is_check(cell.source)
     ]
@@ -266,13 +300,16 @@ STYLE = """
 .gk-passed { background: #e3f4e1; color: #1b5e20; border: 1px solid #8bc48a; }
 .gk-failed { background: #fde2e1; color: #8e1c15; border: 1px solid #e08b86; }
 .gk-not-run { background: #eee; color: #555; border: 1px solid #bbb; }
+.gk-skipped { background: #fff4d6; color: #7a5200; border: 1px solid #e0b650; }
+details.gk-hidden > summary { font-family: system-ui, sans-serif; font-size: 13px; color: #555; cursor: pointer;
+  margin: 2px 0 2px 64px; }
 table.gk-index { border-collapse: collapse; font-size: 14px; }
 table.gk-index th, table.gk-index td { border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: left; }
 """
 
 # nbconvert's JupyterLab template, less what it would load from the web (require.js, MathJax, Mermaid, the
 # widget renderer: the lessons need none of them, and the pages then read offline), plus the lesson's bar on
-# top and a badge under each check cell.
+# top, a cell's code folded where JupyterLab hides it, and a pill under each check cell.
 TEMPLATE = """{%- extends 'index.html.j2' -%}
 {% block html_head_js_requirejs %}{% endblock %}
 {% block jupyter_widgets %}{% endblock %}
@@ -280,21 +317,42 @@ TEMPLATE = """{%- extends 'index.html.j2' -%}
 {% block html_head_js_mermaidjs %}{% endblock %}
 {% block extra_css %}<style type="text/css">{{ resources.gpukit.style }}</style>{% endblock %}
 {% block body_header %}{{ super() }}{{ resources.gpukit.bar }}{% endblock %}
-{% block input_group %}{{ super() }}
+{% block input_group %}
+{%- if cell.metadata.get("jupyter", {}).get("source_hidden") -%}
+<details class="gk-hidden"><summary>{{ "check" if cell.metadata.get("gpukit_check") else "code" }} (code hidden)</summary>
+{{ super() }}</details>
+{%- else -%}{{ super() }}{%- endif -%}
 {%- set check = cell.metadata.get("gpukit_check") -%}
 {%- if check %}<div class="gk-check gk-{{ check.status | replace(' ', '-') }}">{{ check.label | e }}</div>{% endif %}
 {% endblock input_group %}
 """
 
 
+# An image from elsewhere in a markdown cell: ![alt](https://…) or <img … src="https://…" …>. The lessons' Open in
+# Colab and Kaggle badges are such images; offline they show broken, so the page shows their words instead (a badge
+# wrapped in a link stays a link).
+REMOTE_MARKDOWN_IMAGE = re.compile(r"!\[([^\]]*)\]\(\s*(?:https?:)?//[^)\s]+(?:\s+\"[^\"]*\")?\s*\)")
+REMOTE_HTML_IMAGE = re.compile(r"<img\b[^>]*\bsrc=[\"']?(?:https?:)?//[^>]*>", re.I)
+
+
+def without_remote_images(markdown: str) -> str:
+    """`markdown` with each image from elsewhere replaced by its alt text ("Open in Colab")."""
+    markdown = REMOTE_MARKDOWN_IMAGE.sub(lambda found: found[1] or "image", markdown)
+    alt = re.compile(r"\balt=[\"']([^\"']*)[\"']", re.I)
+    return REMOTE_HTML_IMAGE.sub(lambda found: (alt.search(found[0]) or [None, "image"])[1], markdown)
+
+
 def _for_the_page(notebook, lesson: Lesson):
     """A copy of `notebook` to render: widget outputs (a progress bar's live view: its text line stays) and the
-    widgets' state dropped, streams joined, each check cell marked with its outcome for the template."""
+    widgets' state dropped, images from elsewhere made words, streams joined, each check cell marked with its outcome
+    for the template."""
     notebook = copy.deepcopy(notebook)
     notebook.metadata.pop("widgets", None)
     for cell in notebook.cells:
         if cell.cell_type == "code":
             cell.outputs = [output for output in cell.outputs if WIDGET_TYPE not in output.get("data", {})]
+        elif cell.cell_type == "markdown":
+            cell.source = without_remote_images(cell.source)
     notebook, _ = CoalesceStreamsPreprocessor().preprocess(notebook, {})
     for check in lesson.checks:
         notebook.cells[check.cell].metadata["gpukit_check"] = {"status": check.status, "label": check.label}
@@ -306,6 +364,7 @@ def _run_line(lesson: Lesson) -> str:
     return (
         f"profile <b>{html.escape(lesson.profile)}</b> · device <b>{html.escape(lesson.device)}</b> · run "
         f"{html.escape(lesson.executed)}{took} · <b>{lesson.passed} of {len(lesson.checks)}</b> checks passed"
+        + (f" · {lesson.skipped} skipped here" if lesson.skipped else "")
     )
 
 
@@ -341,7 +400,8 @@ def render_index(lessons: list[Lesson], commit: str | None) -> str:
             html.escape(lesson.device),
             html.escape(lesson.executed),
             took,
-            f'<span class="gk-check {status}">{lesson.passed} of {len(lesson.checks)}</span>',
+            f'<span class="gk-check {status}">{lesson.passed} of {len(lesson.checks)}</span>'
+            + (f' <span class="gk-check gk-skipped">{lesson.skipped} skipped</span>' if lesson.skipped else ""),
             str(lesson.figures),
         ]
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
@@ -355,9 +415,9 @@ def render_index(lessons: list[Lesson], commit: str | None) -> str:
 <title>gpukit lessons, executed</title><style>body {{ font-family: system-ui, sans-serif; margin: 2em; }}{STYLE}</style>
 </head><body><main>
 <h1>gpukit lessons, executed</h1>
-<p>Every lesson as it ran, with its figures, tables and the outcome of each check (a cell with an <code>assert</code>).
-The profile sets the sizes: <code>tiny</code> runs in CI on a CPU, where the checks that need a GPU say they were
-skipped; <code>gpu</code> is the full size on a CUDA GPU. Built {html.escape(built)}{html.escape(source)}.</p>
+<p>Every lesson as it ran, with its figures, tables and the outcome of each check cell. The profile sets the sizes:
+<code>tiny</code> runs in CI on a CPU, where the checks that need a GPU say they were skipped (a cell whose every
+check was skipped counts as skipped, not passed); <code>gpu</code> is the full size on a CUDA GPU. Built {html.escape(built)}{html.escape(source)}.</p>
 <table class="gk-index"><thead><tr>{header}</tr></thead><tbody>
 {chr(10).join(rows)}
 </tbody></table></main></body></html>
@@ -402,7 +462,9 @@ def build(
         described.append(lesson)
         took = f", {lesson.seconds:.0f} s" if lesson.seconds is not None else ""
         report(
-            f"site: {lesson.name}: {lesson.passed} of {len(lesson.checks)} checks passed, {lesson.figures} figures{took}"
+            f"site: {lesson.name}: {lesson.passed} of {len(lesson.checks)} checks passed"
+            + (f", {lesson.skipped} skipped" if lesson.skipped else "")
+            + f", {lesson.figures} figures{took}"
         )
     for index, (notebook, lesson) in enumerate(zip(notebooks, described)):
         before = described[index - 1] if index > 0 else None
@@ -430,5 +492,7 @@ def main(
             f"site: {len({name for name, _ in failed})} lesson(s) failed; the pages are in {pages}, not fit to publish"
         )
         return 1
-    print(f"site: {len(described)} lessons, every check passed; open {pages}")
+    skipped = sum(lesson.skipped for lesson in described)
+    said = f" ({skipped} check cells skipped here)" if skipped else ""
+    print(f"site: {len(described)} lessons, every check that ran passed{said}; open {pages}")
     return 0

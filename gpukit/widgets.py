@@ -48,25 +48,47 @@ class LivePlot:
 _SHORT = {"image": "img/s", "sequence": "seq/s", "sample": "samples/s"}
 
 
-def throughput(row: dict, sample_name: str) -> dict[str, str]:
-    """The throughput of a logged window for a progress bar: tokens/s for text, else samples/s."""
-    if row.get("tokens_per_second") is not None:
-        return {"tok_s": f"{row['tokens_per_second']:.0f}"}
-    return {_SHORT.get(sample_name, "samples/s").replace("/", "_"): f"{row['samples_per_second']:.0f}"}
+def throughput(history) -> dict[str, str]:
+    """The bar's rate, named: History's own so far (the median over the logged windows after the first, the figure
+    `history.samples_per_second` or `history.tokens_per_second` gives once fit returns), in tokens/s for text, else
+    in the samples' unit. One window alone swings with the machine's load; the median is the figure History keeps."""
+    if history.tokens_per_second is not None:
+        return {"median tok/s": f"{history.tokens_per_second:.0f}"}
+    return {f"median {_SHORT.get(history.sample_name, 'samples/s')}": f"{history.samples_per_second:.0f}"}
+
+
+def _is_widget_bar(bar_class) -> bool:
+    """True where tqdm.auto chose its Jupyter widget (a kernel with ipywidgets), not its text bar."""
+    from tqdm.notebook import tqdm_notebook
+
+    return isinstance(bar_class, type) and issubclass(bar_class, tqdm_notebook)
 
 
 class Progress:
-    """A tqdm.auto bar over optimizer steps, showing the latest loss and throughput."""
+    """A tqdm.auto bar over optimizer steps, showing the latest loss and History's throughput.
+
+    In Jupyter the bar is a widget while training runs and, when it ends, that same output becomes the bar's final
+    text line (steps, time, rate, loss, the epoch's held-out figures): one bar on the screen, and a saved notebook,
+    GitHub, nbval or the lessons' site show what was done rather than the widget's first frame ("0%").
+    """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True, live_plot: bool = False):
         self.bar = None
         self.live = None
         self.history = None
+        self.shown = None  # the widget's output in the notebook (IPython's DisplayHandle), to replace at the end
         if not enabled:
             return
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)
+        options = dict(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)
+        if _is_widget_bar(tqdm):
+            from IPython.display import display
+
+            self.bar = tqdm(**options, display=False)
+            self.shown = display(self.bar.container, display_id=True)  # None outside a kernel: printed instead
+        else:
+            self.bar = tqdm(**options)
         if live_plot and in_notebook():
             self.live = LivePlot()
 
@@ -74,7 +96,7 @@ class Progress:
         if self.bar is None:
             return
         self.bar.update(steps)
-        self.bar.set_postfix(loss=f"{row['loss']:.3f}", **throughput(row, history.sample_name), refresh=False)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", **throughput(history), refresh=False)
         self.history = history
         if self.live is not None:
             self.live.update(history)
@@ -96,10 +118,14 @@ class Progress:
     def close(self) -> None:
         if self.live is not None and self.history is not None and self.history.steps:
             self.live.update(self.history, force=True)  # the final curve stays in the output
-        if self.bar is not None:
-            self.bar.close()
-            if getattr(self.bar, "container", None) is not None:  # a notebook widget, not a text bar
-                # A saved notebook keeps only the widget's text form from when it was drawn ("0%"): GitHub,
-                # nbval and a reader without the widget state would see a run that never started. This line
-                # says what was done: steps, time, rate, last loss and the epoch's held-out figures.
-                print(self.bar)
+        if self.bar is None:
+            return
+        self.bar.close()
+        container = getattr(self.bar, "container", None)
+        if container is None:  # a terminal's text bar already shows its final state (on stderr)
+            return
+        if self.shown is not None:
+            self.shown.update({"text/plain": str(self.bar)}, raw=True)  # the widget's output, now its final line
+            container.close()  # the widget's model in the kernel, no longer shown
+        else:
+            print(self.bar)

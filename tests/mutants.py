@@ -75,9 +75,6 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-CHECK_ERRORS = ("AssertionError", "CheckFailed")  # an assert, or gk.check / gk.check_between (an AssertionError)
-
-
 def first_error(notebook) -> tuple[int, str, str, bool] | None:
     """(cell index, exception name, its message, whether the cell is a check) of the first cell with an error."""
     for index, cell in enumerate(notebook.cells):
@@ -107,7 +104,9 @@ def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, st
         return (SURVIVED if mutant in calls.changed else NOT_APPLICABLE), ""
     if mutant not in calls.changed:
         return CRASHED, f"{detail} (the mutant changed nothing: the lesson failed by itself)"
-    return (KILLED if error and error[1] in CHECK_ERRORS and error[3] else CRASHED), detail
+    # A check cell's assert, or gk.check's CheckFailed (an AssertionError, named as its own class in the output).
+    killed = error and error[1] in ("AssertionError", "CheckFailed") and error[3]
+    return (KILLED if killed else CRASHED), detail
 
 
 def run_one(path: Path, mutant: str, profile: str, cell_seconds: float = CELL_SECONDS) -> Run:

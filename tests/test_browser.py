@@ -1,8 +1,10 @@
 """Lessons 00 and 01 as a learner runs them: JupyterLab in headless Chromium, "Run All Cells" from the menu.
 
-Checks what nbval cannot see: opening and closing a lesson leaves the file byte-identical (the kernelspec the
-Makefile installs matches the notebooks'), every cell ran with no error output, the live training progress
-bar rendered as a widget (not its text fallback) and reached its end, and the figures appeared as images.
+Checks what nbval cannot see: opening a lesson does not mark it modified and closing it leaves the file
+byte-identical (gpukit lab's contents manager, gpukit/jupyter.py), no news pop-up covers it (the settings file make
+setup copies into the .venv), every cell ran with no error output, the live training progress bar rendered as a
+widget (not its text fallback) while training ran and then became one final text line, and the figures appeared as
+images.
 A screenshot of each notebook and an image of each figure go to the folder the test prints.
 
 Needs Chromium on the PATH (Debian: `apt-get install chromium`; `.ci/run` installs it) and Playwright for
@@ -62,9 +64,9 @@ def free_port() -> int:
 
 
 def quiet_settings(settings: Path) -> Path:
-    """JupyterLab user settings for a test: no news pop-up, every cell in the page, no autosave."""
+    """JupyterLab user settings for a test: every cell in the page, no autosave. (No news pop-up: make lab's own
+    settings file does that, see lab_defaults.)"""
     for plugin, values in {
-        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
         "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},  # every cell in the page
         "@jupyterlab/docmanager-extension/plugin": {"autosave": False},  # the test saves when it means to
     }.items():
@@ -72,6 +74,16 @@ def quiet_settings(settings: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     return settings
+
+
+def lab_defaults(folder: Path) -> Path:
+    """A JupyterLab app-settings folder with the defaults make setup copies into the .venv (overrides.d/gpukit.json,
+    from tools/jupyterlab-overrides.json): what `make lab`'s JupyterLab reads."""
+    match = re.search(r"cp (\S+) \$\(LAB_OVERRIDES\)/(\S+)", (ROOT / "Makefile").read_text())
+    assert match, "make setup copies JupyterLab's defaults into $(LAB_OVERRIDES)"
+    (folder / "overrides.d").mkdir(parents=True)
+    shutil.copy(ROOT / match[1], folder / "overrides.d" / match[2])
+    return folder
 
 
 def wait_for_server(url: str, token: str, server: subprocess.Popen, log: Path) -> None:
@@ -136,6 +148,7 @@ def lab(tmp_path_factory):
                 "--ip=127.0.0.1",
                 f"--IdentityProvider.token={token}",
                 f"--LabApp.user_settings_dir={settings}",
+                f"--LabApp.app_settings_dir={lab_defaults(base / 'app-settings')}",
                 f"--LabApp.workspaces_dir={base / 'workspaces'}",
             ],
         ),
@@ -185,7 +198,10 @@ def test_open_and_close_leaves_the_file_unchanged(page, lab, name):
     before = path.read_bytes()
     open_notebook(page, lab, f"open/{name}")
     page.wait_for_timeout(3000)  # the kernel's info (language, spec) reaches the notebook's metadata
-    page.keyboard.press("Control+s")  # what autosave does to a notebook marked modified
+    tab = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=name)
+    assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), f"{name}: marked modified on opening"
+    assert page.get_by_text("official Jupyter news").count() == 0, "the news pop-up covers the lesson"
+    page.keyboard.press("Control+s")  # a save, as autosave or a learner's habit makes: the file must not change
     page.wait_for_timeout(1500)
     menu(page, "File", "Close Tab")
     page.wait_for_timeout(500)
@@ -200,9 +216,11 @@ def test_run_all_cells(page, lab, name):
     open_notebook(page, lab, f"run/{name}")
     menu(page, "Run", "Run All Cells")
     prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt")
-    deadline, quiet_polls = time.monotonic() + CELL_TIMEOUT_S, 0
+    deadline, quiet_polls, widget_bars = time.monotonic() + CELL_TIMEOUT_S, 0, 0
     while quiet_polls < 3:  # three polls in a row with the kernel idle and nothing queued: Run All is over
         page.wait_for_timeout(1000)
+        # A training bar is a live widget only while it runs: seen by polling.
+        widget_bars = max(widget_bars, page.locator(".jp-OutputArea-output .widget-hprogress").count())
         texts = [text.strip() for text in prompts.all_inner_texts()]
         idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
         started_running = any(text != "[ ]:" for text in texts)
@@ -236,12 +254,19 @@ def test_run_all_cells(page, lab, name):
     saved_images = sum("image/png" in output.get("data", {}) for cell in code for output in cell["outputs"])
     assert saved_images >= 1 and images.count() >= saved_images
     if name.startswith("01"):
-        bars = page.locator(".jp-OutputArea-output .jupyter-widgets.widget-hprogress")
-        assert bars.count() >= 1, "the training progress bar did not render as a widget"
+        assert widget_bars >= 1, "the training progress bar did not render as a widget while it ran"
         assert page.get_by_text("Loading widget...").count() == 0
-        assert "100%" in page.locator(".jp-OutputArea-output .widget-hbox").first.inner_text()  # it updated
-        streams = ["".join(out["text"]) for cell in code for out in cell["outputs"] if out["output_type"] == "stream"]
-        assert any("100%|" in text for text in streams), "the saved notebook holds no final text line of the bar"
+        # Each bar ended as one output, its final text line, in the page and in the saved notebook.
+        assert page.locator(".jp-OutputArea-output .widget-hprogress").count() == 0, "a widget bar was left"
+        for cell in code:
+            texts = [
+                "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+                for out in cell["outputs"]
+            ]
+            finals = [text for text in texts if "100%|" in text]
+            assert len(finals) == len(set(finals)), f"a bar shows twice: {finals}"
+        shown = ["".join(out.get("data", {}).get("text/plain", "")) for cell in code for out in cell["outputs"]]
+        assert any("100%|" in text for text in shown), "the saved notebook holds no bar's final text line"
 
 
 def test_make_lab_opens_jupyterlab_as_root_too(page, tmp_path):

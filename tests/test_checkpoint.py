@@ -113,8 +113,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(saved_run, tmp_path):
         path.write_bytes(whole[: int(len(whole) * fraction)])
         with pytest.raises(gk.CheckpointError, match=f"cannot resume from {path}: it is truncated"):
             read_checkpoint(path)
-    path.write_bytes(whole[: whole.rindex(b"\ngpukit-checkpoint")])  # torch.save's bytes alone: an earlier gpukit's
-    with pytest.raises(gk.CheckpointError, match="written by an earlier gpukit"):
+    path.write_bytes(whole[: whole.rindex(b"\ngpukit-checkpoint")])  # cut exactly before its checksum line
+    with pytest.raises(gk.CheckpointError, match="a gpukit save cut short exactly before its checksum line"):
         read_checkpoint(path)
     path.unlink()
     path.mkdir()  # unreadable as a file: named, not a bare OSError

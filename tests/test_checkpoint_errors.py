@@ -194,6 +194,56 @@ def test_a_checkpoint_of_a_newer_gpukit_says_to_upgrade_and_keeps_it(format_numb
     assert path.read_bytes() == newer
 
 
+def foreign_file(kind: str, folder: Path) -> bytes:
+    """A last.pt of torch.save's bytes alone, no checksum line: what each kind of writer leaves."""
+    path = folder / "last.pt"
+    if kind == "torch.save(model.state_dict())":
+        torch.save(small_mlp().state_dict(), path)
+    elif kind == "gpukit, cut before its checksum line":
+        saved_epoch(folder)
+        whole = path.read_bytes()
+        path.write_bytes(whole[: whole.rindex(b"\ngpukit-checkpoint")])
+    elif kind == "an earlier gpukit":  # format 1: torch.save of these entries, no checksum, data order or generators
+        model = small_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = {"epoch": 1, "step": 4, "plan": {}, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save(state | {"scheduler": {}, "precision": {}, "history": {}, "rng": torch.get_rng_state()}, path)
+    else:  # a training loop of one's own: a dict of other entries
+        torch.save({"weights": small_mlp().state_dict(), "epoch": 3}, path)
+    return path.read_bytes()
+
+
+FOREIGN = {  # each kind of file: what the refusal must say (its cause and its fix), and what it must not
+    "torch.save(model.state_dict())": (
+        [
+            "holds a model's weights alone (4 tensors, as torch.save(model.state_dict()) writes)",
+            "model.load_state_dict(torch.load(path))",
+            "a checkpoint_dir without this last.pt",
+        ],
+        "earlier gpukit",
+    ),
+    "gpukit, cut before its checksum line": (
+        ["a gpukit save cut short exactly before its checksum line", "restore it from a complete copy"],
+        "earlier gpukit",
+    ),
+    "an earlier gpukit": (["written by an earlier gpukit", "cannot be resumed exactly"], "cut short"),
+    "a loop of one's own": (["written by torch.save, not by gpukit's fit (it holds a dict"], "earlier gpukit"),
+}
+
+
+@pytest.mark.parametrize("kind", FOREIGN)
+def test_a_last_pt_written_elsewhere_names_its_own_cause_and_fix(kind, tmp_path):
+    """Each of these was called "written by an earlier gpukit" (issue "Never silently wrong, third round")."""
+    before = foreign_file(kind, tmp_path)
+    said, not_said = FOREIGN[kind]
+    with pytest.raises(gk.CheckpointError) as refused:
+        gk.fit(small_mlp(), mlp_batches(), epochs=2, checkpoint_dir=tmp_path, **COMMON)
+    message = " ".join(str(refused.value).split())
+    assert message.startswith(f"cannot resume from {tmp_path / 'last.pt'}: "), message
+    assert all(words in message for words in said) and not_said not in message, message
+    assert (tmp_path / "last.pt").read_bytes() == before  # never deleted or overwritten
+
+
 @pytest.mark.parametrize("saved_names", [True, False], ids=["names saved", "file without names"])
 def test_a_resume_after_freezing_a_layer_names_the_trainable_parameters(saved_names, tmp_path):
     saved_epoch(tmp_path)

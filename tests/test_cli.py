@@ -251,7 +251,7 @@ def test_lab_copies_the_lessons_into_an_empty_folder_and_hands_over_to_jupyterla
         monkeypatch.setattr(jupyter, "running_as_root", lambda as_root=as_root: as_root)
         assert main(["lab", str(tmp_path / "mine"), "--port=9999", "--no-browser"]) == 0
     root, user = started
-    assert root[1:4] == ["-m", "jupyterlab", jupyter.KEEP_LANGUAGE_INFO] and "--allow-root" in root
+    assert root[1:4] == ["-m", "jupyterlab", jupyter.CONTENTS_MANAGER] and "--allow-root" in root
     assert "--allow-root" not in user
     assert root[-3:] == ["--port=9999", "--no-browser", str(tmp_path / "mine")]  # the user's options, then the folder
     out = capsys.readouterr().out
@@ -267,3 +267,38 @@ def test_lab_without_jupyterlab_says_which_extra_to_install(tmp_path, monkeypatc
     assert main(["lab", str(tmp_path)]) == 2
     assert "pip install 'gpukit[lab]'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before copying anything
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and commands (issue "Never silently wrong, third round"): each a one-line refusal naming the argument,
+# where an errno message ("File exists", "Not a directory", "No such file or directory") or a traceback came out.
+
+
+@pytest.mark.parametrize("command", ["lessons", "lab"])
+@pytest.mark.parametrize("case", ["a file", "inside a file", "under /proc", "under /sys"])
+def test_lessons_and_lab_refuse_a_dir_that_cannot_be_a_folder_in_one_line(tmp_path, monkeypatch, capsys, command, case):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    folder = {"a file": a_file, "inside a file": a_file / "sub", "under /proc": "/proc/sys", "under /sys": "/sys/x"}
+    monkeypatch.setattr("os.execv", lambda *args: pytest.fail("JupyterLab was started"))
+    assert main([command, str(folder[case])]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"gpukit: error: DIR '{folder[case]}' ") and error.count("\n") == 1, error
+    said = {
+        "a file": "is a file, not a folder",
+        "inside a file": f"cannot be made: '{a_file}' in its path is a file",
+        "under /proc": "lies in /proc",
+        "under /sys": "lies in /sys",
+    }
+    assert said[case] in error and "pass a folder" in error, error
+    assert a_file.read_text() == "not a folder" and not (tmp_path / "sub").exists()
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**64)])
+def test_train_refuses_a_seed_out_of_range_before_any_data(monkeypatch, capsys, seed):
+    monkeypatch.setenv("GPUKIT_PROFILE", "tiny")
+    monkeypatch.setattr("gpukit.cli._data", lambda *args: pytest.fail("the data was built before the check"))
+    assert main(["train", "--seed", seed, "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error == f"gpukit: error: --seed must be an integer in 0..4294967295 {error.split('4294967295 ', 1)[1]}"
+    assert f"got {seed}." in error and error.count("\n") == 1

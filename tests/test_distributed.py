@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 
 import pytest
@@ -115,9 +116,10 @@ def two_rank_worker(train, text):
     gk.fit(sharded, train, batch_size=BATCH, **COMMON)
     results["fsdp"] = full_state(sharded)
     try:
-        gk.fit(sharded, train, batch_size=BATCH, checkpoint_dir="unused", **COMMON)
+        gk.fit(sharded, train, batch_size=BATCH, checkpoint_dir="unused-fsdp-folder", **COMMON)
     except ValueError as error:
         results["fsdp_checkpoint_error"] = str(error)
+    results["fsdp_folder_made"] = os.path.exists("unused-fsdp-folder")  # refused before anything is made
 
     results["pipeline_difference"] = pipeline_gradient_difference()  # 4. two-stage pipeline
 
@@ -187,6 +189,7 @@ def test_fsdp2_in_fit_trains_like_ddp_and_refuses_checkpoints(two_ranks, one_ran
     reference, _ = one_rank_reference
     assert_states_close(two_ranks[0]["fsdp"], reference)
     assert "FSDP2" in two_ranks[0]["fsdp_checkpoint_error"]
+    assert not two_ranks[0]["fsdp_folder_made"]
 
 
 def test_a_gpt_under_fsdp2_on_two_ranks_equals_one_process_with_twice_the_batch(two_ranks, text):
@@ -310,8 +313,11 @@ def test_setup_warns_where_torchrun_restarts_may_read_stale_addresses(monkeypatc
 
 
 def as_rank(monkeypatch, rank: int, world_size: int = 2) -> None:
+    """This process as `rank` of a job of `world_size`, without a process group: a gather gives every rank this one's
+    value (shard compares the ranks' batch counts)."""
     monkeypatch.setattr(distributed.parallel, "rank", lambda: rank)
     monkeypatch.setattr(distributed.parallel, "world_size", lambda: world_size)
+    monkeypatch.setattr(distributed.parallel, "objects_over_ranks", lambda value: [value] * world_size)
 
 
 def test_device_loader_shards_are_disjoint_and_make_up_the_big_batch(monkeypatch, data):

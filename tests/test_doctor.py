@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from gpukit.checkup import GPUProcess, GPUStatus, Report, collect, warnings
 from gpukit.hardware.clocks import clock_reasons
 
 GiB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -45,15 +48,137 @@ def test_collect_here_renders_as_text_and_html(forbid_cuda):
     page = report._repr_html_()
     assert page.startswith("<div>") and "<table>" in page and torch.__version__ in page
     assert not torch.cuda.is_initialized()
+    # Everything the lessons import was tried in a fresh Python; this suite's own environment runs them.
+    assert report.import_check == "ok" and report.broken == [], report.imports
+    assert set(report.imports) == set(checkup.IMPORT_CHECKS) and report.verdict.startswith("verdict: ready")
+
+
+# ---------------------------------------------------------------------------------------------
+# A torch/torchvision pair that does not belong together, faked: a torchvision package of our own, first on
+# PYTHONPATH, with its own metadata (version), that fails as a mismatched build does
+
+
+def fake_torchvision(folder, version: str, source: str):
+    """A torchvision package in `folder` (to put first on PYTHONPATH) whose __init__ is `source`."""
+    (folder / "torchvision").mkdir(parents=True)
+    (folder / "torchvision" / "__init__.py").write_text(source)
+    info = folder / f"torchvision-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchvision\nVersion: {version}\n")
+    return folder
+
+
+# What a CPU torch beside a CUDA torchvision raised on `import torchvision` (issue 44).
+NO_NMS = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
+# torchvision imports, but its compiled operators cannot load: the first call fails.
+NO_OPS = (
+    "import types\n"
+    "def nms(*args):\n"
+    "    raise RuntimeError(\"Couldn't load custom C++ ops. This can happen if your PyTorch and torchvision "
+    'versions are incompatible")\n'
+    "ops = types.SimpleNamespace(nms=nms)\n"
+)
+CRASH = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"  # a compiled library of the wrong build
+
+
+@pytest.fixture
+def only_torch_and_torchvision(monkeypatch):
+    """The import check reduced to torch and torchvision (seconds, not the lessons' whole list)."""
+    checks = {label: checkup.IMPORT_CHECKS[label] for label in ("torch", "torchvision", "torchvision.ops.nms")}
+    monkeypatch.setattr(checkup, "IMPORT_CHECKS", checks)
+
+
+@pytest.mark.parametrize(
+    "source, broken, said",
+    [
+        (NO_NMS, ["torchvision"], "RuntimeError: operator torchvision::nms does not exist"),
+        (NO_OPS, ["torchvision.ops.nms"], "RuntimeError: Couldn't load custom C++ ops"),
+        (CRASH, ["torchvision"], "crashed the Python process"),
+    ],
+    ids=["import fails", "operators fail", "import crashes"],
+)
+def test_a_torchvision_that_fails_is_broken_and_the_pair_to_install_is_named(
+    tmp_path, monkeypatch, only_torch_and_torchvision, source, broken, said
+):
+    made_for_another_torch = "0.28.0+cu130"  # torch 2.13's, a CUDA build
+    fake = fake_torchvision(tmp_path, made_for_another_torch, source)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(sys, "path", [str(fake), *sys.path])  # this process's metadata reads the fake's version too
+    report = collect(check_imports=True)
+    assert report.torchvision_version == made_for_another_torch
+    assert report.broken == broken and report.imports["torch"] == "ok", report.imports
+    (pair,) = [warning for warning in warnings(report) if warning.startswith("torchvision")]
+    assert said in pair and "it was made for torch 2.13" in pair, pair  # torch here is 2.14 (torchvision 0.29)
+    wanted = checkup.torchvision_for(torch.__version__)
+    assert f'"torchvision=={wanted}.*"' in pair and "--no-deps" in pair, pair
+    assert report.verdict.startswith("verdict: BROKEN") and "BROKEN" in str(report)
+
+
+def test_gpukit_doctor_fails_on_a_torchvision_that_does_not_import(tmp_path):
+    """The command `make setup` ends with: exit code 1 and the pair to install, with the whole import check."""
+    fake = fake_torchvision(tmp_path / "fake", "0.28.0+cu130", NO_NMS)
+    paths = [str(fake), str(ROOT), os.environ.get("PYTHONPATH")]
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    done = subprocess.run(
+        [sys.executable, "-m", "gpukit", "doctor"],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=checkup.IMPORT_SECONDS + 120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "operator torchvision::nms does not exist" in done.stdout
+    assert f"torchvision=={checkup.torchvision_for(torch.__version__)}.*" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith("verdict: BROKEN: torchvision")
+
+
+@pytest.mark.parametrize(
+    "torch_version, torchvision, index",
+    [
+        ("2.14.1+cpu", "0.29", "https://download.pytorch.org/whl/cpu"),
+        ("2.11.0+cu130", "0.26", "whl/cu130"),
+        ("2.13.0", "0.28", None),
+    ],
+)
+def test_the_torchvision_made_for_each_torch(torch_version, torchvision, index):
+    assert checkup.torchvision_for(torch_version) == torchvision
+    assert checkup.torch_for(f"{torchvision}.1") == torch_version[:4]
+    command = checkup.torchvision_install_command(torch_version)
+    assert f'"torchvision=={torchvision}.*"' in command
+    assert (index in command) if index else "--index-url" not in command
+
+
+def test_a_cpu_torch_beside_a_cuda_torchvision_of_the_same_release_is_named_before_it_fails():
+    report = clean_report(torch_version="2.14.1+cpu", torchvision_version="0.29.1+cu130")
+    report.imports = {"torch": "ok", "torchvision": "ok", "torchvision.ops.nms": "ok"}
+    (pair,) = warnings(report)
+    assert "is a cu130 build where torch is a cpu build" in pair and "whl/cpu" in pair, pair
+    assert report.broken == [] and report.verdict == "verdict: ready, with 1 warning(s) above"
+
+
+def test_a_missing_lessons_extra_is_said_but_not_broken():
+    report = clean_report()
+    report.imports = {
+        "torch": "ok",
+        "timm": "not installed (timm)",
+        "numpy": "ModuleNotFoundError: No module named 'x'",
+    }
+    assert report.broken == ["numpy"]
+    (row,) = [row for row in report.facts_table().rows if row["item"] == "what the lessons import"]
+    assert row["value"] == "FAILS: numpy (see the warnings)"
+    report.imports.pop("numpy")
+    (row,) = [row for row in report.facts_table().rows if row["item"] == "what the lessons import"]
+    assert "not installed: timm" in row["value"] and "gpukit[lessons]" in row["value"] and warnings(report) == []
 
 
 def test_doctor_is_collect():
-    assert isinstance(gpukit.doctor(), Report)
+    assert isinstance(gpukit.doctor(check_imports=False), Report)
 
 
 def test_bad_profile_becomes_a_warning(monkeypatch):
     monkeypatch.setenv("GPUKIT_PROFILE", "huge")
-    report = collect()
+    report = collect(check_imports=False)
     assert report.profile is None
     assert any("GPUKIT_PROFILE" in warning for warning in warnings(report))
 
@@ -105,7 +230,7 @@ def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
-    report = collect()
+    report = collect(check_imports=False)
 
     assert report.device == "cuda" and report.profile == "gpu"
     assert report.nvml == "ok"
@@ -143,7 +268,7 @@ def fake_nvml(monkeypatch, forbid_cuda):
 
 def test_collect_explains_a_driver_too_old_for_torch(monkeypatch, fake_nvml, capsys):
     monkeypatch.setattr(torch.version, "cuda", "13.0")  # needs a CUDA 13 driver; this one is for 12.2
-    report = collect()
+    report = collect(check_imports=False)
     assert report.device == "cpu" and report.profile != "gpu"
     assert report.visible_gpus == ["NVIDIA A100-SXM4-80GB"]
     (warning,) = [warning for warning in warnings(report) if "fail to start" in warning]
@@ -156,7 +281,7 @@ def test_collect_explains_a_driver_too_old_for_torch(monkeypatch, fake_nvml, cap
 def test_collect_explains_cuda_visible_devices_that_hide_every_gpu(monkeypatch, fake_nvml):
     monkeypatch.setattr(torch.version, "cuda", "12.2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    report = collect()
+    report = collect(check_imports=False)
     assert (report.device, report.cuda_visible_devices, report.visible_gpus) == ("cpu", "", [])
     (warning,) = [warning for warning in warnings(report) if warning.startswith("CUDA_VISIBLE_DEVICES")]
     assert "hides all 1 NVIDIA GPU" in warning and "nvidia-smi -L" in warning
@@ -305,7 +430,7 @@ def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypat
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(env, "_surveys", {})
-    (gpu,) = collect().gpus
+    (gpu,) = collect(check_imports=False).gpus
     assert (gpu.power_limit, gpu.power_limit_default, gpu.persistence_mode, gpu.ecc_errors) == (400.0, 500.0, False, 2)
     report = Report(gpus=[gpu], pid=os.getpid())
     found = warnings(report)

@@ -7,16 +7,18 @@ Each case on the CPU, seeded, with the MLP of tests/helpers.py and with a second
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
-from helpers import CausalLM, small_mlp, tiny_gpt, tokens
+from helpers import CausalLM, images, small_mlp, tiny_gpt, tokens
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
 from gpukit.step import Loss
 from gpukit.train import NonFiniteLossError
-from gpukit.train.checks import check_host_targets
+from gpukit.train.batch_checks import check_host_targets
+from gpukit.train.checks import check_arguments
 from gpukit.train.data import batches
 
 CPU = torch.device("cpu")
@@ -218,3 +220,184 @@ def test_the_refused_batch_is_never_copied_to_the_gpu(fake_cuda):
         for batch in batches(data, torch.device("cuda", 0), check=check):
             read.append(batch.target.is_cuda)
     assert read == [True, True] and len(fake_cuda.copies) == 4  # two batches of (inputs, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and commands (issue "Never silently wrong, third round"): refused before any work, naming the argument,
+# what it must be and what to do; NaN data and a crashed loader worker named as what they are.
+
+SEED_TAKERS = {  # every function of the kit that takes a seed, run as little as each allows
+    "seed_everything": lambda seed: gk.seed_everything(seed),
+    "fit's argument checks": lambda seed: check_arguments(small_mlp(), seed=seed, checkpoint_dir=None),
+    "DeviceLoader": lambda seed: gk.data.DeviceLoader(gk.data.shapes(16, 4)[0], 8, seed=seed),
+    "TextLoader": lambda seed: gk.data.TextLoader(
+        gk.data.TokenDataset(tokens(1, 64)[0].to(torch.uint8), seq_len=8), 2, seed=seed
+    ),
+    "dataloader": lambda seed: gk.data.dataloader(TensorDataset(features(16), classes(16)), 8, seed=seed),
+    "lr_find": lambda seed: gk.lr_find(small_mlp(), [(features(8), classes(8))], steps=20, device=CPU, seed=seed),
+}
+SEEDS = {  # seed: whether it is one (NumPy's integers are; 2**32 and beyond overflow NumPy, 2**64 torch)
+    "0": (0, True),
+    "2**32-1": (2**32 - 1, True),
+    "np.int64": (np.int64(3), True),
+    "np.uint32": (np.uint32(7), True),
+    "2**32": (2**32, False),
+    "2**64": (2**64, False),
+    "-1": (-1, False),
+    "True": (True, False),
+    "3.0": (3.0, False),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("taker", SEED_TAKERS)
+def test_every_seed_is_checked_by_one_rule(taker, seed):
+    """A NumPy int64 seed was refused by fit's check of the data order's seed and accepted by its argument check;
+    seed=2**64 passed both and overflowed in torch.manual_seed after the model had moved."""
+    value, accepted = SEEDS[seed]
+    if accepted:
+        SEED_TAKERS[taker](value)
+        return
+    with pytest.raises(ValueError, match=r"seed must be an integer in 0\.\.4294967295 \(2\*\*32 - 1") as refused:
+        SEED_TAKERS[taker](value)
+    assert f"got {value!r}" in str(refused.value)
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**32])  # (-1: refused by the data order's own check)
+def test_fit_refuses_a_seed_out_of_range_before_any_work(seed):
+    model, generator = small_mlp(), torch.get_rng_state()
+    before = [parameter.clone() for parameter in model.parameters()]
+    with pytest.raises(ValueError, match=rf"seed must be an integer in 0\.\.4294967295 .*got {seed}\."):
+        train(model, [(features(8), classes(8))], seed=seed)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert torch.equal(generator, torch.get_rng_state())  # no draw, no seeding: nothing ran
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="fit's _order_seed (gpukit/train/loop.py) checks the seed with check_int, which refuses NumPy integers; "
+    "it must call gpukit.validation.check_seed, wired after the carve of issue 46 (remove this mark then)",
+)
+def test_fit_takes_a_numpy_seed_and_resumes_from_its_save(tmp_path):
+    data = [(features(8, i), classes(8, i)) for i in range(4)]
+    train(small_mlp(), data, epochs=1, seed=np.int64(3), checkpoint_dir=tmp_path)
+    history = train(small_mlp(), data, epochs=2, seed=np.int64(3), checkpoint_dir=tmp_path)  # resumes at step 4
+    assert [row["step"] for row in history.steps] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+LOG_DIRS = {
+    "an int": (3, "log_dir must be a folder path (a str or Path) for TensorBoard's files, got 3 (a int)"),
+    "empty": ("", "log_dir='' names no folder (TensorBoard would fill the current folder"),
+    "blank": ("  ", "log_dir='  ' names no folder"),
+}
+
+
+@pytest.mark.parametrize("log_dir, said", LOG_DIRS.values(), ids=LOG_DIRS)
+def test_a_log_dir_that_names_no_folder_is_refused_before_training(log_dir, said, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # log_dir="" wrote TensorBoard's files here, with no word
+    model = small_mlp()
+    before = [parameter.clone() for parameter in model.parameters()]
+    with pytest.raises((TypeError, ValueError)) as refused:  # TypeError for 3, ValueError for ""
+        train(model, [(features(8), classes(8))], log_dir=log_dir)
+    assert said in str(refused.value) and "log_dir='runs/my_run'" in str(refused.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not list(tmp_path.iterdir())
+
+
+def with_nan(inputs: torch.Tensor, every: int = 3) -> torch.Tensor:
+    inputs = inputs.clone()
+    inputs[::every] = float("nan")
+    return inputs
+
+
+LR_FIND_KINDS = {  # a model, and batches whose inputs hold NaN in every third example
+    "mlp": (small_mlp, lambda: [(with_nan(features(8, i)), classes(8, i)) for i in range(4)]),
+    "cnn": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4)),
+        lambda: [(with_nan(images(8, 8, i)), classes(8, i)) for i in range(4)],
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", LR_FIND_KINDS)
+def test_lr_find_on_nan_data_names_the_data_not_a_divergence(kind):
+    """It said "the loss diverged after 1 steps ... start lower (start_lr=...)": advice about the lr for bad data."""
+    build, data = LR_FIND_KINDS[kind]
+    model = build()
+    model(data()[0][0][:1].nan_to_num())  # (a lazy layer takes its shape)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        gk.lr_find(model, data(), device=CPU)
+    message = str(refused.value)
+    assert message.startswith("lr_find's loss became non-finite at step 1 (lr 1e-05), and a batch that step read")
+    assert (
+        "input 0 holds" in message and "NaN" in message and "a problem in the data, not in the learning rate" in message
+    )
+    assert "diverged" not in message and "start_lr" not in message
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())  # put back
+
+
+class SegfaultingDataset(torch.utils.data.Dataset):
+    """16 examples of 6 features; reading example 12 crashes the process in C code (a segmentation fault)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if index == 12:
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV, as a broken C extension does
+        return features(1, index)[0], index % 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["evaluate", "lr_find"])
+def test_a_loader_worker_that_segfaults_says_what_happened_and_what_to_do(where):
+    """torch says only "DataLoader worker (pid(s) N) exited unexpectedly"; the note names the signal and the fix."""
+    loader = DataLoader(SegfaultingDataset(), batch_size=4, num_workers=1)  # batch 4 holds example 12
+    run = {
+        "evaluate": lambda: gk.evaluate(small_mlp(), loader, device=CPU),
+        "lr_find": lambda: gk.lr_find(small_mlp(), loader, device=CPU, steps=20),
+    }[where]
+    with pytest.raises((RuntimeError, OSError)) as failed:
+        run()
+    note = " ".join(getattr(failed.value, "__notes__", []))
+    assert "A DataLoader worker process died" in note, (failed.value, note)
+    assert "SIGSEGV" in note or "a worker process ended" in note, note
+    assert "num_workers=0" in note and "segmentation fault" in note
+
+
+def test_a_worker_crash_note_is_only_for_a_dead_worker():
+    """Any other error (one that a worker raised in Python, here) gets no such note."""
+
+    class Raising(SegfaultingDataset):
+        def __getitem__(self, index):
+            raise ValueError("a bad example")
+
+    with pytest.raises(ValueError, match="a bad example") as failed:
+        gk.evaluate(small_mlp(), DataLoader(Raising(), batch_size=4, num_workers=1), device=CPU)
+    assert gk.data.worker_crash(failed.value) is None
+    assert not any("worker process died" in note for note in getattr(failed.value, "__notes__", []))
+
+
+BREAKDOWN_KINDS = {
+    "mlp": (
+        small_mlp,
+        lambda device: (torch.randn(8, 6, device=device), torch.zeros(8, dtype=torch.long, device=device)),
+    ),
+    "gpt": (tiny_gpt, lambda device: (tokens(2, 16).to(device), tokens(2, 16, 1).to(device))),
+}
+
+
+@pytest.mark.parametrize("kind", BREAKDOWN_KINDS)
+def test_breakdown_of_a_batch_on_the_meta_device_points_to_estimate(kind):
+    """It raised torch's "Cannot copy out of meta tensor; no data!"; estimate takes the same batch."""
+    build, batch = BREAKDOWN_KINDS[kind]
+    with pytest.raises(ValueError) as refused:
+        gk.memory.breakdown(build(), batch("meta"), device=CPU)
+    message = str(refused.value)
+    assert "on the meta device (shapes without values" in message and "gk.memory.estimate" in message
+    assert "torch.zeros_like(tensor, device='cpu')" in message
+    predicted = gk.memory.estimate(build(), batch("meta"), device=CPU)  # what the message offers works
+    assert predicted.total == gk.memory.estimate(build(), batch(CPU), device=CPU).total > 0

@@ -7,6 +7,7 @@ bit-equal to a run never interrupted: weights, optimizer state and History rows.
 
 In-process on the CPU: each point is a counter at a place the loop passes through, raising at its n-th call."""
 
+import signal
 from collections import Counter
 
 import pytest
@@ -16,7 +17,8 @@ from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import Dataset
 
 import gpukit as gk
-from gpukit.train import checkpoint, loop
+from gpukit.preemption import Preempted, sigterm_raises
+from gpukit.train import checkpoint, checkpoint_file, loop
 from gpukit.train.checkpoint import read_checkpoint
 from gpukit.widgets import Progress
 from tests.helpers import tiny_gpt
@@ -29,15 +31,18 @@ class Trap:
     """Counts the calls of each place fit passes through; raises KeyboardInterrupt at the n-th call of one."""
 
     def __init__(self):
-        self.calls, self.armed = Counter(), None  # armed: (place, n) or None
+        self.calls, self.armed, self.sigterm = Counter(), None, False  # armed: (place, n) or None
 
-    def arm(self, place: str, n: int) -> None:
-        self.calls, self.armed = Counter(), (place, n)
+    def arm(self, place: str, n: int, sigterm: bool = False) -> None:
+        """`sigterm`: send this process SIGTERM there (a scheduler preempting the job) instead of raising."""
+        self.calls, self.armed, self.sigterm = Counter(), (place, n), sigterm
 
     def hit(self, place: str) -> None:
         self.calls[place] += 1
         if self.armed == (place, self.calls[place]):
             self.armed = None  # once: a handler that runs the place again (a save in a finally) is not stopped
+            if self.sigterm:
+                signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns: Preempted, raised here
             raise KeyboardInterrupt
 
 
@@ -192,8 +197,8 @@ def places(monkeypatch):
     """The places that are functions of gpukit's, wrapped to count their calls."""
     write = checkpoint.write_checkpoint
     monkeypatch.setattr(checkpoint, "write_checkpoint", counted("save before", counted("save after", write, "after")))
-    monkeypatch.setattr(checkpoint._Hashing, "write", counted("save write", checkpoint._Hashing.write))
-    monkeypatch.setattr(loop, "_log", counted("log", loop._log))
+    monkeypatch.setattr(checkpoint_file._Hashing, "write", counted("save write", checkpoint_file._Hashing.write))
+    monkeypatch.setattr(loop, "write_row", counted("log", loop.write_row))
     monkeypatch.setattr(Progress, "epoch_done", counted("epoch shown", Progress.epoch_done))
     monkeypatch.setattr(Progress, "close", counted("close", Progress.close, "after"))
     # (OneCycleLR steps once as it is built: its n-th call is the schedule's step after optimizer step n - 1)
@@ -270,3 +275,54 @@ def test_an_interrupt_during_the_checks_before_training_says_so(tmp_path):
     assert "interrupted before training started" in note and "nothing was saved" in note, note
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
     assert not (tmp_path / "last.pt").exists()
+
+
+SIGTERM_POINTS = [
+    "mid-backward (step 2's first micro-batch)",
+    "in the middle of a save's write",
+    "gpt: mid-accumulation",
+]
+
+
+@pytest.mark.parametrize("point", SIGTERM_POINTS)
+def test_a_sigterm_stops_fit_as_ctrl_c_does_and_its_save_resumes_bit_equal(point, uninterrupted, tmp_path):
+    """SIGTERM, how Slurm and Kubernetes preempt and torchrun stops its workers, under gk.preemption.sigterm_raises
+    (which `gpukit train`, launch's workers and gk.distributed.setup install): fit stops as at Ctrl-C, says which save
+    last.pt holds, and the same call resumes from it to a run never stopped. Without a handler SIGTERM ended the
+    process at once, with no word."""
+    kind, place, n = POINTS[point]
+    make_model, make_data, _, _ = KINDS[kind]
+    model, handler = make_model(), signal.getsignal(signal.SIGTERM)
+    disturb_generators(100)
+    TRAP.arm(place, n, sigterm=True)
+    with pytest.raises(Preempted) as stopped, sigterm_raises():
+        fit(kind, model, make_data(), tmp_path)
+    assert TRAP.armed is None and str(stopped.value).startswith("stopped by SIGTERM")
+    assert signal.getsignal(signal.SIGTERM) == handler  # put back as it was
+    assert_says_how_far("".join(getattr(stopped.value, "__notes__", [])), tmp_path, place)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    resumed = make_model()
+    disturb_generators(101)
+    history = fit(kind, resumed, make_data(), tmp_path)
+    assert_same_run(resumed, history, tmp_path, uninterrupted[kind])
+
+
+def test_a_loop_that_saves_before_it_stops_hears_the_first_sigterm_as_a_request():
+    """sigterm_requests_a_stop, for a loop that finishes its step and saves first: the first SIGTERM only asks, a
+    second stops at once, and SIGTERM's handler is put back after; a SIGTERM ignored on purpose stays ignored."""
+    before = signal.getsignal(signal.SIGTERM)
+    with gk.preemption.sigterm_requests_a_stop() as request:
+        assert not request.asked
+        signal.raise_signal(signal.SIGTERM)  # (its handler runs before this returns)
+        assert request.asked
+        with pytest.raises(Preempted, match="second SIGTERM"):
+            signal.raise_signal(signal.SIGTERM)
+        assert isinstance(request.preempted(), KeyboardInterrupt)  # what handles Ctrl-C handles it
+    assert signal.getsignal(signal.SIGTERM) == before
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with sigterm_raises(), gk.preemption.sigterm_requests_a_stop() as request:
+            signal.raise_signal(signal.SIGTERM)  # ignored: neither raises nor asks
+        assert not request.asked and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

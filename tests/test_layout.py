@@ -19,6 +19,7 @@ LAYERS = [
     {
         "gpukit.deprecation",
         "gpukit.validation",
+        "gpukit.preemption",  # SIGTERM and a dying launcher: the standard library only
         "gpukit.hardware.clocks",
         "gpukit.hardware:init",  # the package's own __init__: the tables only
         "gpukit.data.vision",
@@ -31,8 +32,10 @@ LAYERS = [
         "gpukit.nbval",
         "gpukit.nbval_outputs",
         "gpukit.jupyter",
+        "gpukit.lab_contents",  # JupyterLab's contents manager for `gpukit lab`: jupyter.py's hooks in a class
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
+        "gpukit.claims",  # gk.check and its kin: a lesson's check in one line
     },
     {
         "gpukit.data",
@@ -45,10 +48,12 @@ LAYERS = [
         "gpukit.site",  # runs the lessons as gpu-check does (its child_environment)
     },
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor", "gpukit.inference"},
-    {"gpukit.gpuledger"},  # plans make gpu-check's runs (gpucheck) within a lease
+    {"gpukit.gpuledger"},  # plans make gpu-check's runs within a lease
+    {"gpukit.gpulease"},  # runs that plan with gpucheck's steps, writing each as it ends
     {"gpukit.compiling", "gpukit.fp8"},  # regional compilation (uses bench and memory), FP8 numerics
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
+    {"gpukit.practice"},  # the lessons' exercises: their checks train, launch and measure with everything below
     {"gpukit.cli", "gpukit.__main__"},
 ]
 

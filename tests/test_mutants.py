@@ -269,8 +269,8 @@ def executed(*cells: tuple[str, str | None]) -> nbformat.NotebookNode:
     "cells, stopped, changed, outcome",
     [
         ([("x = 1", None), ("assert x == 2", "AssertionError")], "", True, mutants.KILLED),
-        ([("gk.check_between(x, 1, 2, 'x is 1-2')", "CheckFailed")], "", True, mutants.KILLED),  # gpukit.claims
-        ([("x = gk.fit(m, data)", "CheckFailed")], "", True, mutants.CRASHED),  # not in a check cell
+        ([("gk.check_between(x, 0.8, 1.25, 'a claim')", "CheckFailed")], "", True, mutants.KILLED),  # gk.check's
+        ([("x = f()", "CheckFailed")], "", True, mutants.CRASHED),  # a check helper called outside a check cell
         ([("x = f()", "AssertionError")], "", True, mutants.CRASHED),  # gpukit's own assert, in no check cell
         ([("x = {}[1]", "KeyError")], "", True, mutants.CRASHED),
         ([("x = 1", None)], "CellTimeoutError: cell 0", True, mutants.CRASHED),

@@ -281,6 +281,19 @@ def _repository() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"].rstrip("/")
 
 
+def test_the_example_ci_workflow_installs_gpukit_nbval_and_pytest_from_the_projects_url():
+    """A user's CI needs gpukit and what runs notebooks as tests, not gpukit's own test kit (gpukit[dev]: a browser
+    driver, transformers), and the project's real address, not a placeholder organisation."""
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((ROOT / "examples" / "ci" / "github-actions.yml").read_text())
+    steps = workflow["jobs"]["test"]["steps"]
+    (install,) = [step["run"] for step in steps if step.get("name") == "Install"]
+    commands = [line.split("#")[0].strip() for line in install.splitlines() if "pip install" in line]
+    gpukit = [command for command in commands if "gpukit" in command]
+    assert gpukit == [f'python -m pip install "gpukit @ git+{_repository()}" nbval pytest'], commands
+    assert not any("[dev]" in command for command in commands) and "YOUR-ORG" not in install
+
+
 def test_badges_and_install_cells_are_built_from_the_one_repository_url():
     sys.path.insert(0, str(ROOT / "tools"))
     try:
@@ -307,15 +320,18 @@ def test_badges_and_install_cells_are_built_from_the_one_repository_url():
 def _readme_pip_route() -> list[str]:
     """The README's commands for a pip install, in order."""
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"Without a clone:\s*```bash\n(.*?)```", readme, re.DOTALL)[1]
-    return [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    block = re.search(r"Without a clone[^\n]*:\s*```bash\n(.*?)```", readme, re.DOTALL)[1]
+    return list(filter(None, (line.split("#")[0].strip() for line in block.strip().splitlines())))
 
 
 @pytest.mark.slow
 def test_the_readmes_pip_route_opens_jupyterlab(tmp_path, wheel):
     """`pip install "gpukit[lab] @ …"` then `gpukit lab gpukit-lessons`, literally: in a Python with the wheel and
     exactly what that extra brings, JupyterLab starts (as root too: CI runs as root) on a copy of the lessons."""
-    install, open_lab = _readme_pip_route()
+    commands = _readme_pip_route()
+    (install,) = [command for command in commands if "gpukit[" in command]
+    open_lab = commands[-1]
+    assert commands[0].endswith("--index-url https://download.pytorch.org/whl/cpu")  # the CPU-only advice, first
     requirement = re.fullmatch(r'pip install "(gpukit\[\w+\]) @ git\+\S+"', install)[1]
     assert open_lab == "gpukit lab gpukit-lessons"
     python = lessons_env.build(tmp_path, gpukit_from=None, roots=[requirement])
@@ -375,12 +391,36 @@ def test_make_lab_cpu_installs_torchs_cpu_build_first_and_says_so_without_a_gpu(
     cpu = _make_dry_run("setup", "CPU=1").splitlines()
     torch_line = next(index for index, line in enumerate(cpu) if "--index-url" in line)
     assert "pip install --quiet torch torchvision --index-url https://download.pytorch.org/whl/cpu" in cpu[torch_line]
-    assert torch_line < next(index for index, line in enumerate(cpu) if '-e ".[dev,gpu]"' in line)  # torch first
+    assert torch_line < next(index for index, line in enumerate(cpu) if '-e ".[dev]"' in line)  # torch first
     default = _make_dry_run("setup")
     assert "--index-url" not in default and "make clean && make lab CPU=1" in default  # the hint, where no nvidia-smi
     assert "--index-url https://download.pytorch.org/whl/cu126" in _make_dry_run(
         "setup", "TORCH_INDEX=https://download.pytorch.org/whl/cu126"
     )
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on the PATH")
+@pytest.mark.parametrize("target, extra", [("lab", "lab"), ("test", "dev")])
+def test_make_lab_installs_the_lab_extra_make_test_the_dev_extra_and_each_ends_with_the_doctor(target, extra):
+    """A learner gets JupyterLab and what the lessons import, not the tests' playwright and transformers; every
+    set-up ends with the doctor's verdict (`gpukit doctor` exits 1 where what the lessons import fails)."""
+    lines = _make_dry_run(target).splitlines()
+    (install,) = [line for line in lines if "pip install" in line]
+    assert f'-e ".[{extra}]"' in install and "nbstripout" in install, install
+    doctor = lines.index(".venv/bin/gpukit doctor")
+    assert any(line.startswith("touch ") for line in lines[doctor + 1 :]), "the stamp is written after the doctor"
+    assert not any(line.startswith("touch ") for line in lines[:doctor]), "a failed doctor must leave no stamp"
+    (overrides,) = [line for line in lines if "overrides.d" in line]
+    assert "cp tools/jupyterlab-overrides.json .venv/share/jupyter/lab/settings/overrides.d/" in overrides
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(name.startswith(("playwright", "transformers", "ruff")) for name in dependencies["lab"])
+
+
+def test_jupyterlab_hears_no_news_from_make_lab():
+    """JupyterLab's "official Jupyter news?" pop-up covers the lessons: off, in the file make setup copies into the
+    .venv (tests/test_browser.py runs JupyterLab with the same file)."""
+    overrides = json.loads((ROOT / "tools" / "jupyterlab-overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on the PATH")

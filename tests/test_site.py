@@ -8,6 +8,7 @@ headless Chromium (slow: about a minute). Executing every lesson is `make site`'
 
 from __future__ import annotations
 
+import html
 import html.parser
 import re
 import shutil
@@ -96,16 +97,19 @@ def parse(path: Path) -> Loads:
 # Reading an executed lesson
 
 
-def test_a_check_is_a_cell_with_an_assert_statement():
+def test_a_check_is_a_cell_with_an_assert_statement_or_a_call_of_the_check_helpers():
     assert site.is_check("assert x == 1")
     assert site.is_check("if gpu:\n    assert a < b, 'slower'\nelse:\n    print('skipped: needs a GPU')")
+    assert site.is_check("gk.check_between(ratio, 0.9, 1.1, 'the counter agrees')")
+    assert site.is_check("if not gpu:\n    gk.skip_check('bf16 is faster', 'no GPU')")
+    assert site.is_check("from gpukit import check\ncheck(a < b, 'a is smaller')")
     assert not site.is_check("# we assert nothing here\nprint('assert')")
     assert not site.is_check("x = 1")
-    assert site.is_check("gk.check(a < b, 'a is below b')")
-    assert site.is_check(
-        "if gpu:\n    gk.check_between(r, 0.8, 1.25, 'agree')\nelse:\n    gk.skip_check('x', 'no GPU')"
-    )
-    assert not site.is_check("gk.skip_check('the GPU check', 'no CUDA GPU')")  # says it skipped, checks nothing
+    # The lessons' check helpers (gpukit/claims.py) make a check cell too; a print or a comment naming them does not.
+    assert site.is_check("gk.check_between(ratio, 0.8, 1.25, 'the timer agrees with a hand clock')")
+    assert site.is_check("if gpu:\n    gk.check(a < b, 'faster')\nelse:\n    gk.skip_check('faster', 'no GPU')")
+    assert not site.is_check("# gk.check(a, 'b') is what we would call\nprint('gk.check')")
+    assert not site.is_check("print('gk.check(a)')")
 
 
 def test_describe_reads_the_run_the_checks_and_the_figures():
@@ -119,9 +123,36 @@ def test_describe_reads_the_run_the_checks_and_the_figures():
     assert (lesson_.executed, lesson_.seconds, lesson_.figures, lesson_.problems) == ("2026-11-24 15:16", 33.2, 1, [])
     assert [(check.cell, check.status, check.skipped) for check in lesson_.checks] == [
         (3, "passed", 0),
-        (4, "passed", 1),
+        (4, "skipped", 1),  # it printed only "skipped": it asserted nothing here
     ]
-    assert lesson_.passed == 2 and "1 part skipped" in lesson_.checks[1].label
+    assert (lesson_.passed, lesson_.skipped) == (1, 1) and "skipped here" in lesson_.checks[1].label
+    assert "passed" not in lesson_.checks[1].label
+
+
+# What gk.check, gk.check_between and gk.skip_check print: one line each (gpukit/claims.py).
+def claims(*checks: tuple[str, str]) -> str:
+    return "".join(f"{kind}: {claim}\n" for kind, claim in checks)
+
+
+@pytest.mark.parametrize(
+    "printed, status, label",
+    [
+        (claims(("check passed", "a"), ("check passed", "b")), "passed", "✓ 2 checks passed"),
+        (
+            claims(("check passed", "a"), ("skipped", "b: no GPU"), ("skipped", "c: no GPU")),
+            "passed",
+            "✓ 1 of 3 checks ran and passed · 2 skipped here",
+        ),
+        (claims(("skipped", "a: no GPU"), ("skipped", "b: no GPU")), "skipped", "– 2 checks skipped here"),
+        ("", "passed", "✓ check passed"),  # a plain assert that printed nothing: as before the helpers
+    ],
+    ids=["all ran", "partly skipped", "all skipped", "a plain assert"],
+)
+def test_a_checks_pill_says_how_many_ran_and_none_is_green_where_all_skipped(printed, status, label):
+    source = "gk.check(a, 'a')\ngk.skip_check('b', 'no GPU')" if printed else "assert True"
+    notebook = ran(lesson(SETUP, PLOT, source), {1: [stdout(ENV_LINE)], 2: [figure()], 3: [stdout(printed)]})
+    (check,) = site.describe(notebook, "00_x").checks
+    assert check.status == status and check.label.startswith(label), check.label
 
 
 @pytest.mark.parametrize(
@@ -153,10 +184,28 @@ def test_a_lesson_without_a_figure_is_a_problem():
 # Building from executed lessons (--from)
 
 
+# The lessons' first cell shows Open in Colab and Kaggle badges: images from elsewhere (tools/open_in.py).
+BADGES = (
+    "[![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/"
+    "github/o/r/blob/main/notebooks/00_good.ipynb) "
+    '<a href="https://kaggle.com/k"><img src="https://kaggle.com/static/images/open-in-kaggle.svg" alt="Open in Kaggle">'
+    "</a>"
+)
+GPU_ONLY = "gk.skip_check('bf16 trains faster', 'no GPU')"  # a check cell that can only skip here
+
+
 def executed_lessons(folder: Path) -> None:
     good = ran(
-        lesson(SETUP, PLOT, CHECK, title="00 · Good"), {1: [stdout(ENV_LINE)], 2: [figure()], 3: [stdout("ok\n")]}
+        lesson(SETUP, PLOT, CHECK, GPU_ONLY, title="00 · Good"),
+        {
+            1: [stdout(ENV_LINE)],
+            2: [figure()],
+            3: [stdout("ok\n")],
+            4: [stdout("skipped: bf16 trains faster: no GPU\n")],
+        },
     )
+    good.cells[0].source += "\n\n" + BADGES
+    good.cells[4].metadata["jupyter"] = {"source_hidden": True}  # as the lessons' check cells are
     good.metadata["gpukit"] = {"executed": "2026-11-24T15:00:00", "seconds": 12.0}
     broken = ran(
         lesson(SETUP, PLOT, CHECK, FAILING_CHECK, "print('after')", title="01 · Broken"),
@@ -186,7 +235,8 @@ def test_pages_show_each_check_and_load_nothing_from_elsewhere(tmp_path):
     index = (tmp_path / "site" / "index.html").read_text()
     assert parse(tmp_path / "site" / "index.html").links == ["00_good.html", "01_broken.html"]
     rows = re.findall(r"<tr>(.*?)</tr>", index, re.S)[1:]
-    assert "cuda · NVIDIA H100 80GB HBM3" in rows[0] and ">1 of 1<" in rows[0] and "12 s" in rows[0]
+    assert "cuda · NVIDIA H100 80GB HBM3" in rows[0] and ">1 of 2<" in rows[0] and "12 s" in rows[0]
+    assert ">1 skipped<" in rows[0] and "gk-skipped" in rows[0]
     assert ">1 of 2<" in rows[1] and "gk-failed" in rows[1]
     broken = (tmp_path / "site" / "01_broken.html").read_text()
     assert broken.count("✓ check passed") == 1 and broken.count("✗ check failed") == 1
@@ -194,7 +244,27 @@ def test_pages_show_each_check_and_load_nothing_from_elsewhere(tmp_path):
     for name in ("index.html", "00_good.html", "01_broken.html"):
         outside = [address for _, address in parse(tmp_path / "site" / name).loads if not address.startswith("data:")]
         assert not outside, f"{name} loads {outside}: the site must read offline"
+        assert not re.search(r"""src=["']?(https?:)?//""", (tmp_path / "site" / name).read_text()), name
+    good = (tmp_path / "site" / "00_good.html").read_text()
     assert ("img", f"data:image/png;base64,{PNG}") in parse(tmp_path / "site" / "00_good.html").loads
+    links = parse(tmp_path / "site" / "00_good.html").links
+    assert "https://kaggle.com/k" in links and any(link.startswith("https://colab.research") for link in links)
+    assert "Open in Colab" in good and "Open in Kaggle" in good  # the badges' words, as links
+
+
+def test_no_green_pill_on_a_cell_whose_checks_all_skipped_and_its_code_is_folded(tmp_path):
+    executed_lessons(tmp_path / "executed")
+    site.build(tmp_path / "site", executed=tmp_path / "executed", report=lambda line: None)
+    good = (tmp_path / "site" / "00_good.html").read_text()
+    pills = re.findall(r'<div class="gk-check gk-([\w-]+)">([^<]*)</div>', good)
+    assert pills == [("passed", "✓ check passed"), ("skipped", "– check skipped here (see below)")]
+    folded = re.search(
+        r'<details class="gk-hidden"><summary>check \(code hidden\)</summary>(.*?)</details>', good, re.S
+    )
+    assert folded and "skip_check" in html.unescape(re.sub(r"<[^>]+>", "", folded[1])), "the code, folded"
+    after = good[folded.end() :]
+    assert "skipped: bf16 trains faster: no GPU" in after, "its output, shown in full after the folded code"
+    assert "1 skipped here" in good  # the lesson's bar says how many check cells skipped
 
 
 def test_the_command_line(tmp_path, capsys):
@@ -214,10 +284,12 @@ def test_the_command_line(tmp_path, capsys):
 # Executing lessons: the builder's kernel, and gpu-check's nbval
 
 
-def test_the_builder_runs_a_lesson_stops_at_its_error_and_plots_inline(tmp_path, monkeypatch):
+def test_the_builder_runs_a_lesson_stops_at_its_error_and_plots_inline(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("MPLBACKEND", "Agg")  # a headless shell's setting, which would show no figure
     write(tmp_path / "lessons", "03_small", lesson(SETUP, PLOT, CHECK, FAILING_CHECK, CHECK))
     (described,) = site.build(tmp_path / "site", lessons=tmp_path / "lessons", profile="tiny", report=print)
+    said = capfd.readouterr()
+    assert "without encryption" not in said.out + said.err, "the kernel's warning, once per lesson in make site"
     assert (described.profile, described.figures) == ("tiny", 1)
     assert described.device.split(" · ")[0] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert described.problems == ["cell 4 (id c4) raised AssertionError: one and one make two"]
@@ -334,8 +406,8 @@ def test_every_lesson_has_a_page_with_a_figure_and_no_error_in_chromium(tmp_path
         page = browser.new_page()
         errors, fetched = [], []
         page.on("pageerror", lambda exception: errors.append(str(exception)))
-        # Images may come from elsewhere (the lessons' Open in Colab badges); nothing the page needs to read may.
-        page.on("request", lambda request: fetched.append(request.url) if request.resource_type != "image" else None)
+        # Nothing from elsewhere, images included (the lessons' Open in Colab badges are links on the pages).
+        page.on("request", lambda request: fetched.append(request.url))
         page.goto((out / "index.html").as_uri())
         links = page.locator("table a").evaluate_all("links => links.map(link => link.getAttribute('href'))")
         assert links == ["00_environment_and_cpu_vs_gpu.html", "01_small.html"]  # every lesson, in order
@@ -343,7 +415,8 @@ def test_every_lesson_has_a_page_with_a_figure_and_no_error_in_chromium(tmp_path
             page.goto((out / link).as_uri())
             page.wait_for_load_state("load")
             assert "Traceback" not in page.locator("body").inner_text(), f"{link} shows an error's traceback"
-            assert page.locator(".gk-failed, .gk-not-run").count() == 0 and page.locator(".gk-passed").count() >= 1
+            assert page.locator(".gk-failed, .gk-not-run").count() == 0
+            assert page.locator(".gk-passed").count() + page.locator(".gk-skipped").count() >= 1
             sizes = page.locator(".jp-OutputArea-output img").evaluate_all("images => images.map(i => i.naturalWidth)")
             assert sizes and min(sizes) > 0, f"{link}: no figure was drawn ({sizes})"
         browser.close()

@@ -21,7 +21,7 @@ from .decoding import decode_batch, decode_table
 from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
 from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, DetectionDataset, ImageDataset, cifar10, shapes
-from .loaders import DeviceLoader, collate_lists, dataloader, random_crop_flip
+from .loaders import DeviceLoader, collate_lists, dataloader, random_crop_flip, worker_crash
 from .prefetching import CUDAPrefetcher, prefetch
 from .shards import ShardError, ShardLoader, write_shards
 from .timeline import Trace, plot_trace, trace_steps
@@ -65,6 +65,7 @@ __all__ = [
     "trace_steps",
     "write_array",
     "write_files",
+    "worker_crash",
     "write_shards",
 ]
 

@@ -6,12 +6,18 @@
 - `dataloader()`: the standard `torch.utils.data.DataLoader` path (worker processes, pinned
   memory, prefetching, per-image augmentation on the CPU), for comparison.
 - `collate_lists`: a DataLoader's collate_fn that keeps examples as lists, for detection batches.
+- `worker_crash`, `worker_crashes_explained`: what to do when a DataLoader's worker process dies (torch says only
+  "DataLoader worker (pid(s) N) exited unexpectedly").
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import faulthandler
 import math
+import signal
+import traceback
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -19,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from .. import env
 from ..env import resolve_device
+from ..validation import check_seed
 from .bottleneck import check_workers
 from .images import ImageDataset
 from .tokens import TextLoader, TokenDataset
@@ -97,7 +104,7 @@ class DeviceLoader:
         self.drop_last = shuffle if drop_last is None else drop_last
         self.dtype = dtype
         self.channels_last = channels_last
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.images = dataset.images.to(self.device)  # uint8: 4× less memory than float32
@@ -196,6 +203,7 @@ def dataloader(
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
+    seed = check_seed(seed)
     if len(dataset) == 0:
         raise ValueError("the dataset is empty; give it at least one image.")
     check_workers(num_workers, prefetch_factor)
@@ -217,6 +225,7 @@ def dataloader(
         persistent_workers=num_workers > 0,
         drop_last=shuffle if drop_last is None else drop_last,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=show_crashes if num_workers > 0 else None,
     )
 
 
@@ -245,7 +254,7 @@ def loader_for(
     shuffling (training; evaluation keeps it): BatchNorm cannot train on one ("Expected more than 1 value per
     channel"). With several ranks, each gets an equal share (up to world_size - 1 samples left out, as before).
     """
-    device = resolve_device(device)
+    device, seed = resolve_device(device), check_seed(seed)
     shard = {"rank": rank, "world_size": world_size}
     pin = device.type == "cuda" if pin_memory is None else pin_memory  # the copy to the GPU can overlap compute
     if isinstance(dataset, IterableDataset):
@@ -279,6 +288,74 @@ def loader_for(
         generator=torch.Generator().manual_seed(seed),
         **options,
     )
+
+
+DYING_SECONDS = 1.0  # how long a DataLoader worker that broke its pipe gets to end, to read its exit code
+
+
+def show_crashes(worker_id: int) -> None:
+    """A DataLoader's worker_init_fn: a worker that crashes in C code (a segmentation fault in an image decoder or
+    another extension) prints its Python stack, the line of your Dataset it was running, before it dies."""
+    faulthandler.enable()
+
+
+def worker_crash(error: BaseException) -> str | None:
+    """What happened and what to do, when `error` is a DataLoader's report that a worker process died; None for any
+    other error. Told by where torch raised it, not by its text: in the loader's wait for data (a RuntimeError
+    listing the workers that failed, or the pipe's own error when the worker dies as it sends), or in its SIGCHLD
+    handler."""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        module, name = frame.f_globals.get("__name__", ""), frame.f_code.co_name
+        if module == "torch.utils.data.dataloader" and name == "_try_get_data":
+            dead = frame.f_locals.get("failed_workers") or _dead_workers(frame.f_locals.get("self"))
+            if dead:
+                ended = "; ".join(_ended(worker) for worker in dead)
+                break
+        if module == "torch.utils.data._utils.signal_handling" and name == "handler":
+            ended = "a worker process ended"
+            break
+    else:
+        return None
+    return (
+        f"A DataLoader worker process died ({ended}), so its batches never came: the Dataset's __getitem__ or the "
+        "collate_fn crashed in C code it calls (a segmentation fault: an image decoder, a library that is not safe to "
+        "use after fork), or the worker was killed (out of memory). Run with num_workers=0 to get the failure in this "
+        "process, with its Python traceback; with gk.data.dataloader(), a crashing worker prints its Python stack "
+        "above. With a checkpoint_dir, fit resumes from the last save."
+    )
+
+
+def _dead_workers(iterator) -> list:
+    """The loader iterator's worker processes that have ended, each given a moment to finish dying (a worker that
+    crashed as it sent a batch breaks the pipe before its exit code is known)."""
+    dead = []
+    for worker in getattr(iterator, "_workers", []):
+        for _ in range(2):  # torch's SIGCHLD handler raises (in this wait) when the worker ends: that is the news
+            with contextlib.suppress(RuntimeError):
+                worker.join(timeout=DYING_SECONDS)
+                break
+        if worker.exitcode not in (None, 0):
+            dead.append(worker)
+    return dead
+
+
+def _ended(worker) -> str:
+    code = worker.exitcode
+    if code is not None and code < 0 and -code in signal.valid_signals():
+        return f"pid {worker.pid} killed by {signal.Signals(-code).name}"
+    return f"pid {worker.pid} exited with code {code}"
+
+
+@contextlib.contextmanager
+def worker_crashes_explained() -> Iterator[None]:
+    """Around a loop over a DataLoader: a worker's death gets worker_crash's note."""
+    try:
+        yield
+    except (RuntimeError, OSError) as error:
+        note = worker_crash(error)
+        if note is not None:
+            error.add_note(note)
+        raise
 
 
 def _only_one_left(samples: int, batch_size: int) -> bool:

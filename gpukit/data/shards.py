@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import env
 from ..files import write_atomic
-from ..validation import check_int
+from ..validation import check_int, check_seed
 from .bottleneck import check_workers
 from .formats import INDEX, _check_dataset, _fresh_folder, _metadata, _publish, decode, encode, read_index
 from .images import ImageDataset
@@ -295,7 +295,7 @@ class ShardLoader:
             pin_memory = env.detect().device == "cuda"  # asks NVML: does not initialise CUDA here
         self.pin_memory = pin_memory
         self.drop_last = shuffle if drop_last is None else drop_last
-        self.normalize, self.seed, self.epoch = normalize, seed, 0
+        self.normalize, self.seed, self.epoch = normalize, check_seed(seed), 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..env import resolve_device
-from ..validation import check_int
+from ..validation import check_int, check_seed
 
 VOCAB_SIZE = 256  # one token per byte
 
@@ -179,7 +179,7 @@ class TextLoader:
         self.seq_len = dataset.seq_len
         self.shuffle = shuffle
         self.drop_last = shuffle if drop_last is None else drop_last
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.tokens = dataset.tokens.to(self.device)  # uint8: 8× less memory than int64

@@ -13,6 +13,8 @@ to them by value with cloudpickle, so functions and globals defined in notebook 
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 import pickle
@@ -33,6 +35,7 @@ import torch
 
 from .. import env
 from ..files import write_atomic  # the parent never reads half a file
+from ..preemption import EXIT_PREEMPTED, Preempted, end_with_parent, sigterm_raises
 from ..validation import check_int
 
 BACKENDS = ("nccl", "gloo")
@@ -40,6 +43,8 @@ START_METHODS = ("spawn", "fork")
 HOST = "127.0.0.1"  # launch starts every worker on this machine
 STOP_GRACE_SECONDS = 5.0  # how long a stopped worker gets to exit after SIGTERM before SIGKILL
 POLL_SECONDS = 0.1  # how often the parent checks the workers and forwards their output
+STACK_SECONDS = 2.0  # how long a rank still running gets to write its stack (faulthandler) before it is stopped
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # asks a worker for its Python stack (None on Windows)
 
 
 class WorkerError(RuntimeError):
@@ -63,6 +68,7 @@ class _Config:
     backend: str
     threads: int  # CPU threads per worker (torch intra-op)
     payload: bytes | None  # cloudpickle of (fn, args); None with fork, where `function` is inherited
+    parent_pid: int  # the launcher: a worker whose launcher dies ends too (gpukit.preemption.end_with_parent)
     function: Any = None
 
 
@@ -96,8 +102,16 @@ def launch(
              their own timeout (see gk.distributed.setup), so waiting ranks never hang forever.
 
     Each rank's printed output appears here, prefixed with `[rank N]`. When a rank raises or
-    dies, the other ranks are stopped and a WorkerError with that rank's traceback is raised.
+    dies, the other ranks are stopped and a WorkerError with that rank's traceback is raised; when a
+    rank fails in a collective that another rank, still running, never joined, the error names that
+    stuck rank and shows its Python stack.
     From a script, call launch under `if __name__ == "__main__":` (spawn re-imports the script).
+
+    Stopping: SIGTERM (a batch job preempted, `kill`) stops launch as Ctrl-C does, also where SIGINT
+    is ignored (`python train.py &` in a batch script): every worker gets SIGTERM, which raises
+    gk.preemption.Preempted inside it (fit then notes which save resumes the run), and launch raises
+    Preempted with one line saying what rank 0 said. Workers end with a launcher that dies any other
+    way too (SIGKILL, a closed notebook): gk.preemption.end_with_parent.
     """
     if not callable(fn):
         raise TypeError(f"launch needs a function to run in each worker, got {type(fn).__name__}.")
@@ -114,16 +128,22 @@ def launch(
         payload, threads = _serialise(fn, args), max(1, (os.cpu_count() or 1) // nprocs)
 
     run_dir = tempfile.mkdtemp(prefix="gpukit-launch-")
-    config = _Config(run_dir, nprocs, port, backend, threads, payload, (fn, args) if payload is None else None)
+    function = (fn, args) if payload is None else None
+    config = _Config(run_dir, nprocs, port, backend, threads, payload, os.getpid(), function)
     output = _OutputForwarder(Path(run_dir), nprocs)
     processes = []
     try:
-        context = torch.multiprocessing.start_processes(
-            _worker_main, args=(config,), nprocs=nprocs, join=False, start_method=start_method
-        )
-        processes = context.processes
-        _wait(processes, output, timeout)
+        with sigterm_raises():  # SIGTERM stops the workers as Ctrl-C does, even where SIGINT is ignored
+            context = torch.multiprocessing.start_processes(
+                _worker_main, args=(config,), nprocs=nprocs, join=False, start_method=start_method
+            )
+            processes = context.processes
+            _wait(processes, output, timeout)
         return [_read_result(Path(run_dir), rank) for rank in range(nprocs)]
+    except Preempted as stopped:  # here or in a worker: every worker gets SIGTERM and says how far it got
+        _stop(processes)
+        output.forward(final=True)
+        raise Preempted(_preempted(str(stopped), Path(run_dir), nprocs)) from None
     finally:
         _stop(processes)
         output.forward(final=True)
@@ -232,8 +252,12 @@ def _check_port(port: int) -> int:
 
 def _worker_main(local_rank: int, config: _Config) -> None:
     """Entry point of every worker (called by torch.multiprocessing as fn(index, *args))."""
+    end_with_parent(config.parent_pid)  # first: a launcher that dies from here on takes this worker with it
     run_dir = Path(config.run_dir)
     _send_output_to(run_dir / f"rank{local_rank}.log")
+    if STACK_SIGNAL is not None:  # the parent asks a rank that seems stuck where it is (_dump_stacks)
+        stacks = open(run_dir / f"rank{local_rank}.stack", "w")  # noqa: SIM115 (open while the process lives)
+        faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -246,14 +270,18 @@ def _worker_main(local_rank: int, config: _Config) -> None:
     )
     torch.set_num_threads(config.threads)
     try:
-        if config.payload is not None:
-            import cloudpickle  # noqa: F401  (pickle.loads needs it importable for by-value functions)
+        with sigterm_raises():  # SIGTERM raises Preempted: fit says how far it got and which save resumes
+            if config.payload is not None:
+                import cloudpickle  # noqa: F401  (pickle.loads needs it importable for by-value functions)
 
-            fn, args = pickle.loads(config.payload)
-        else:
-            fn, args = config.function
-        result = fn(*args)
+                fn, args = pickle.loads(config.payload)
+            else:
+                fn, args = config.function
+            result = fn(*args)
         data = _result_bytes(result, local_rank)
+    except Preempted as error:
+        _write_error(run_dir, local_rank, error)
+        sys.exit(EXIT_PREEMPTED)  # (torch.multiprocessing would end a KeyboardInterrupt with exit code 0)
     except Exception as error:
         _write_error(run_dir, local_rank, error)
         raise  # torch.multiprocessing records it and exits with code 1
@@ -294,7 +322,7 @@ def _result_bytes(result, rank: int) -> bytes:
         ) from error
 
 
-def _write_error(run_dir: Path, rank: int, error: Exception) -> None:
+def _write_error(run_dir: Path, rank: int, error: BaseException) -> None:
     import cloudpickle
 
     try:
@@ -306,10 +334,23 @@ def _write_error(run_dir: Path, rank: int, error: Exception) -> None:
         "time": time.time(),
         "type": type(error).__name__,
         "message": str(error),
+        "notes": list(getattr(error, "__notes__", [])),
         "traceback": traceback.format_exc(),
         "exception": pickled,
+        "backend": _from_the_backend(error),
     }
     write_atomic(run_dir / f"rank{rank}.error", json.dumps(report).encode())
+
+
+def _from_the_backend(error: BaseException) -> bool:
+    """Whether the collective backend raised `error` (a timeout, a lost peer): a consequence of what another rank
+    did, not a cause. NCCL's failures are DistErrors; torch 2.14 raises gloo's as plain RuntimeErrors that begin with
+    gloo's source path ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms ..."), and no type
+    tells them apart, so their text is read."""
+    if torch.distributed.is_available() and isinstance(error, torch.distributed.DistError):
+        return True
+    message = str(error)
+    return type(error) is RuntimeError and message.startswith("[") and "/gloo/" in message.split("]", 1)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,9 +391,12 @@ def _wait(processes, output: _OutputForwarder, timeout: float | None) -> None:
         output.forward()
         failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
         if failed:
+            run_dir = Path(output.paths[0]).parent
+            stuck = _stuck_ranks(run_dir, failed, processes)
+            stacks = _dump_stacks(run_dir, stuck, processes)  # before they are stopped
             _stop(processes)
             output.forward(final=True)
-            raise _worker_error(Path(output.paths[0]).parent, failed, processes) from None
+            raise _worker_error(run_dir, failed, processes, stacks) from None
         if all(p.exitcode == 0 for p in processes):
             return
         if deadline is not None and time.monotonic() > deadline:
@@ -378,16 +422,57 @@ def _stop(processes) -> None:
             process.join()
 
 
-def _worker_error(run_dir: Path, failed: list[int], processes) -> WorkerError:
-    """The error of the rank that caused the failure. A rank that died without a Python exception
-    (killed, crashed) comes first: the others' errors are then only their lost connections to it.
-    Among Python exceptions, the earliest: later ones are usually others losing their peer."""
+def _reports(run_dir: Path, ranks) -> dict[int, dict]:
+    """The error reports (_write_error) of those of `ranks` that wrote one, by rank."""
     reports = {}
-    for rank in failed:
+    for rank in ranks:
         try:
             reports[rank] = json.loads((run_dir / f"rank{rank}.error").read_text())
         except (FileNotFoundError, ValueError):
             pass
+    return reports
+
+
+def _stuck_ranks(run_dir: Path, failed: list[int], processes) -> list[int]:
+    """The ranks still running, with no error of their own, when every rank that failed did so in the collective
+    backend (a timeout, a lost peer): they never joined the collective the others waited in. Else none."""
+    reports = _reports(run_dir, range(len(processes)))
+    if any(rank not in reports or not reports[rank].get("backend") for rank in failed):
+        return []  # a rank that died, or raised an error of its own: that is the cause
+    return [rank for rank, p in enumerate(processes) if p.exitcode is None and rank not in reports]
+
+
+def _dump_stacks(run_dir: Path, ranks: list[int], processes) -> dict[int, str]:
+    """Each of `ranks`' Python stacks, which it writes on STACK_SIGNAL (faulthandler: even from inside C code)."""
+    if STACK_SIGNAL is None or not ranks:
+        return {}
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(processes[rank].pid, STACK_SIGNAL)
+    paths = {rank: run_dir / f"rank{rank}.stack" for rank in ranks}
+    deadline = time.monotonic() + STACK_SECONDS
+    while time.monotonic() < deadline and not all(path.exists() and path.stat().st_size for path in paths.values()):
+        time.sleep(POLL_SECONDS)
+    time.sleep(POLL_SECONDS)  # the last lines of a dump still being written
+    return {
+        rank: _own_threads(path.read_text(errors="replace")) if path.exists() else "" for rank, path in paths.items()
+    }
+
+
+def _own_threads(dump: str) -> str:
+    """faulthandler's dump without the threads of gpukit's own watcher (preemption.end_with_parent)."""
+    blocks = [block for block in dump.strip().split("\n\n") if block]
+    kept = [block for block in blocks if "preemption.py" not in block]
+    return "\n\n".join(kept or blocks)
+
+
+def _worker_error(run_dir: Path, failed: list[int], processes, stacks: dict[int, str]) -> Exception:
+    """The error of the rank that caused the failure. A rank that died without a Python exception
+    (killed, crashed) comes first: the others' errors are then only their lost connections to it.
+    Then a rank stuck outside the collective the others failed in (`stacks`: the stuck ranks' stacks).
+    Among Python exceptions, the earliest that the backend did not raise: those are others losing their peer.
+    A rank stopped by SIGTERM makes the whole launch Preempted."""
+    reports = _reports(run_dir, failed)
     nprocs = len(processes)
     abrupt = [rank for rank in failed if rank not in reports]
     if abrupt:
@@ -399,7 +484,12 @@ def _worker_error(run_dir: Path, failed: list[int], processes) -> WorkerError:
         else:
             how = f"exited with code {code} before returning, without a Python exception (sys.exit, os._exit or a crash in C code?)"
         return WorkerError(f"rank {rank} of {nprocs} {how}; the other ranks were stopped.", rank)
-    first = min(reports.values(), key=lambda report: report["time"])
+    if stacks:
+        return _stuck_error(reports, stacks, nprocs)
+    causes = [report for report in reports.values() if not report.get("backend")] or list(reports.values())
+    first = min(causes, key=lambda report: report["time"])
+    if first["type"] == Preempted.__name__:
+        return Preempted(f"rank {first['rank']} of {nprocs} was {first['message']}")
     exception = None
     if first["exception"] is not None:
         try:
@@ -411,6 +501,34 @@ def _worker_error(run_dir: Path, failed: list[int], processes) -> WorkerError:
         f"--- traceback from rank {first['rank']} ---\n{first['traceback']}"
     )
     return WorkerError(message, first["rank"], exception, first["traceback"])
+
+
+def _stuck_error(reports: dict[int, dict], stacks: dict[int, str], nprocs: int) -> WorkerError:
+    """The stuck rank named, where it was, and what to do; the error of the rank that waited for it, in brief."""
+    rank = min(stacks)
+    waited = min(reports.values(), key=lambda report: report["time"])
+    stack = stacks[rank] or "(it wrote no stack within the time given)"
+    message = (
+        f"rank {rank} of {nprocs} is stuck: it was still running when rank {waited['rank']} gave up waiting in a "
+        f"collective that rank {rank} never joined ({waited['type']}: {waited['message']}). Look at what rank {rank} "
+        "does that the others do not (reads more data, waits for input or a lock, calls another collective), or, if "
+        "it is only slower, raise the collective timeout: gk.distributed.setup(timeout=...) or the environment "
+        f"variable GPUKIT_COLLECTIVE_TIMEOUT.\n\n--- where rank {rank} was (most recent call first) ---\n{stack}"
+    )
+    return WorkerError(message, rank, None, stack)
+
+
+def _preempted(reason: str, run_dir: Path, nprocs: int) -> str:
+    """One line: why launch stopped, and what the lowest rank that was stopped by SIGTERM said (fit's note: how
+    far it got and which save resumes the run)."""
+    said = [report for report in _reports(run_dir, range(nprocs)).values() if report["type"] == Preempted.__name__]
+    line = f"launch: {reason}; its {nprocs} workers were stopped."
+    if said:
+        first = min(said, key=lambda report: report["rank"])
+        line += f" Rank {first['rank']}: {' '.join(first['notes']) or first['message']}"
+    else:
+        line += " None said how far it got (stopped before it began, or killed)."
+    return " ".join(line.split())
 
 
 def _read_result(run_dir: Path, rank: int):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from .. import env
+from .. import env, preemption
 from ..data.loaders import loader_for
 from ..memory.activation_checkpointing import find_blocks
 
@@ -40,6 +40,7 @@ class Worker:
 
 
 _worker: Worker | None = None  # set by setup(), cleared by cleanup()
+_sigterm_before: object = None  # the SIGTERM handler setup() replaced in a worker, put back by cleanup()
 
 
 def setup(backend: str | None = None, *, timeout: float | None = None) -> Worker:
@@ -55,8 +56,14 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> Worker
              environment variable GPUKIT_COLLECTIVE_TIMEOUT, else 300.
     Calling setup again returns the same Worker. In a notebook's own process on a GPU machine,
     setup initialises CUDA there: later launches still work (they spawn), fork is refused.
+
+    In a job (WORLD_SIZE set), until cleanup(): SIGTERM raises gk.preemption.Preempted in the main
+    thread, as Ctrl-C raises KeyboardInterrupt (fit then notes which save resumes the run), and a
+    worker started by torchrun ends when its torchrun agent dies (gk.preemption.end_with_parent):
+    torchrun starts workers in sessions of their own, which no Ctrl-C reaches, and they trained on
+    as orphans of an agent killed outright.
     """
-    global _worker
+    global _worker, _sigterm_before
     if dist.is_initialized():
         if _worker is None:  # the group was made without setup (init_process_group by hand): describe it
             backend = dist.get_backend()
@@ -72,6 +79,8 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> Worker
                 f"WORLD_SIZE is set but {', '.join(missing)} is not: start workers with torchrun or "
                 "gk.distributed.launch, which set all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT."
             )
+    if in_job:
+        _stop_with_the_job()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = backend or os.environ.get("GPUKIT_BACKEND") or ("nccl" if _cuda_available(in_job) else "gloo")
     if backend not in ("nccl", "gloo"):
@@ -98,6 +107,16 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> Worker
     _worker = Worker(dist.get_rank(), dist.get_world_size(), device, local_rank, backend)
     _warn_if_restarts_may_fail()
     return _worker
+
+
+def _stop_with_the_job() -> None:
+    """SIGTERM raises Preempted until cleanup(); a torchrun worker ends with its agent (setup's docstring)."""
+    global _sigterm_before
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun's agent, this process's parent
+        preemption.end_with_parent()
+    previous = preemption.catch_sigterm()
+    if previous is not None:
+        _sigterm_before = previous
 
 
 def _warn_if_restarts_may_fail() -> None:
@@ -136,11 +155,13 @@ def _cuda_available(in_job: bool) -> bool:
 
 
 def cleanup() -> None:
-    """Leave the process group (call at the end of a worker function)."""
-    global _worker
+    """Leave the process group (call at the end of a worker function); SIGTERM's handler as it was before setup."""
+    global _worker, _sigterm_before
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _worker = None
+    preemption.restore_sigterm(_sigterm_before)
+    _sigterm_before = None
 
 
 def rank() -> int:
@@ -208,6 +229,16 @@ def names_over_ranks(names: list[str]) -> list[str]:
     gathered: list = [None] * world_size()
     dist.all_gather_object(gathered, list(names))
     return list(dict.fromkeys(name for rank_names in gathered for name in rank_names))
+
+
+def objects_over_ranks(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order: one all_gather_object, which every rank must
+    call; [value] in one process."""
+    if world_size() == 1:
+        return [value]
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def check_same(value: int, what: str) -> None:
@@ -316,19 +347,44 @@ def shard(loader):
     A device-resident loader (DeviceLoader, TextLoader) gets its rank's share through
     `for_rank(rank, world_size)`: every rank draws the same permutation per epoch and takes an
     interleaved, equal share. A DataLoader must already read through a DistributedSampler.
+    Every rank must call it (fit does, as it sets up): the ranks' batch counts are compared
+    (check_same_batches), before a first step that would end in a timeout or a crash.
     """
     count = world_size()
     if count == 1:
         return loader
     if hasattr(loader, "for_rank"):
-        return loader.for_rank(rank(), count)
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", getattr(loader, "sampler", None))
-    if not isinstance(sampler, DistributedSampler):
-        raise ValueError(
-            "in a distributed job each rank must read its own part of the data: pass the Dataset (fit shards it), "
-            "or a DataLoader from gk.distributed.sharded_loader() (a DistributedSampler)."
-        )
+        loader = loader.for_rank(rank(), count)
+    else:
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", getattr(loader, "sampler", None))
+        if not isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                "in a distributed job each rank must read its own part of the data: pass the Dataset (fit shards "
+                "it), or a DataLoader from gk.distributed.sharded_loader() (a DistributedSampler)."
+            )
+    check_same_batches(loader)
     return loader
+
+
+def check_same_batches(loader) -> None:
+    """Refuse, on every rank, training data that gives the ranks different numbers of batches per epoch (one
+    all_gather_object; every rank must call it). The rank with more batches would wait in a collective that the
+    others never join: measured, a gloo timeout or a SIGABRT ("Received data size doesn't match expected size").
+    Data without len() cannot be counted before its epoch ends and is let through."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        batches = None
+    counts = objects_over_ranks(batches)
+    if None in counts or len(set(counts)) == 1:
+        return
+    listed = ", ".join(f"rank {index}: {number}" for index, number in enumerate(counts))
+    raise ValueError(
+        f"the ranks' training data give different numbers of batches per epoch ({listed}): every rank must take the "
+        "same steps, or the one with more waits for the others in a collective until it times out or crashes. Give "
+        "every rank the same Dataset (fit gives each rank an equal share of it), or a DataLoader from "
+        "gk.distributed.sharded_loader() over a dataset of the same length on every rank."
+    )
 
 
 def sharded_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, **options):

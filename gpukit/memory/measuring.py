@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..env import resolve_device
 from ..optim import make_optimizer
@@ -357,6 +358,23 @@ def allocate_cublas_workspaces(device: torch.device) -> None:
 
 
 @keeps_generators
+def _refuse_meta(batch: Batch) -> None:
+    """A batch on the meta device has shapes but no values, and breakdown runs a real step on it ("Cannot copy out of
+    meta tensor"): said, with the function that takes shapes alone."""
+    meta = [tensor for tensor in tree_leaves((batch.args, batch.kwargs, batch.target)) if _is_meta(tensor)]
+    if meta:
+        raise ValueError(
+            f"the batch holds {len(meta)} tensor(s) on the meta device (shapes without values, e.g. "
+            f"{tuple(meta[0].shape)} {str(meta[0].dtype).removeprefix('torch.')}), and breakdown measures a real step. "
+            "Pass gk.memory.estimate the same batch to predict its memory from the shapes alone, or give breakdown a "
+            "real batch of those shapes: torch.zeros_like(tensor, device='cpu') (values do not change memory)."
+        )
+
+
+def _is_meta(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
 def breakdown(
     model: nn.Module,
     batch,
@@ -384,6 +402,7 @@ def breakdown(
     """
     check_model(model)
     batch = sample_batch(model, batch, labels)
+    _refuse_meta(batch)
     device = resolve_device(device)
     precision = get_precision(precision, device)
     cuda = device.type == "cuda"

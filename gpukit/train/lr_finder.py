@@ -27,12 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..data.loaders import worker_crashes_explained
 from ..env import resolve_device
 from ..optim import check_lr, make_optimizer
 from ..plots import plot_lr_find
 from ..precision import Precision, get_precision
 from ..step import Loss, TrainStep, training_mode
-from ..validation import check_int
+from ..validation import check_int, check_seed
+from .batch_checks import batch_problem
+from .checks import NonFiniteInputError, describe
 from .data import as_loader, batch_on_device, exact_device
 
 SUGGESTION_RULE = "the largest lr at which the smoothed loss is still at its lowest level ÷ 10"
@@ -149,7 +152,7 @@ def lr_find(
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}.")
     device = resolve_device(device)
     precision = get_precision(precision, device)
-    loader = as_loader(data, batch_size, device, shuffle=True, seed=seed)
+    loader = as_loader(data, batch_size, device, shuffle=True, seed=check_seed(seed))
 
     original_device = next(model.parameters()).device
     saved_model = {name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=True).items()}
@@ -246,14 +249,15 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
     divergence, stopped = _Divergence(smoothing, diverge), "reached end_lr"
     batches = _cycle(loader)
     device = exact_device(device)  # "cuda:0", not "cuda": batch_on_device's fast path compares tensors' devices
-    with training_mode(step.model), precision.flags():
+    with training_mode(step.model), precision.flags(), worker_crashes_explained():
         for index in range(steps):
             lr = start_lr * ratio ** (index / (steps - 1))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            total = torch.zeros((), device=device)
+            total, read = torch.zeros((), device=device), []
             for _ in range(accumulate):
-                loss, _, _ = step.forward(batch_on_device(next(batches), device, False))
+                read.append(batch_on_device(next(batches), device, False))
+                loss, _, _ = step.forward(read[-1])
                 step.backward(loss)
                 total += loss.detach()
             step.step()
@@ -261,6 +265,7 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
             lrs.append(lr)
             losses.append(value)
             if not math.isfinite(value):
+                _check_data(read, step.loss.ignore_index, index, lr)  # NaN in the data is no divergence
                 stopped = f"diverged at lr {lr:.3g} (loss not finite)"
                 break
             if divergence.add(index, value):
@@ -270,6 +275,19 @@ def _sweep(step, optimizer, loader, device, start_lr, end_lr, steps, accumulate,
                 )
                 break
     return lrs, losses, stopped
+
+
+def _check_data(batches: list, ignore_index: int, index: int, lr: float) -> None:
+    """After a loss that is not finite: a NonFiniteInputError naming the first of the step's batches that holds NaN
+    or inf (or scores no target), which no lr causes; nothing if they are clean (then the lr diverged)."""
+    for batch in batches:
+        problem = batch_problem(batch, ignore_index)
+        if problem is not None:
+            raise NonFiniteInputError(
+                f"lr_find's loss became non-finite at step {index + 1} (lr {lr:.3g}), and a batch that step read "
+                f"({describe(batch)}) {problem} The sweep stopped; nothing can be suggested from it until the data is "
+                "fixed."
+            )
 
 
 def _suggest(lrs: list[float], losses: list[float], stopped: str) -> LRFinderResult:

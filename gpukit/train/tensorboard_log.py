@@ -9,6 +9,7 @@ waits for the device; TensorBoard's writer does the file I/O on its own thread.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -60,7 +61,26 @@ class NoLog:
 
 
 def open_log(log_dir: str | Path | None) -> TensorBoardLog | NoLog:
-    return TensorBoardLog(log_dir) if log_dir is not None else NoLog()
+    return TensorBoardLog(check_log_dir(log_dir)) if log_dir is not None else NoLog()
+
+
+def check_log_dir(log_dir):
+    """`log_dir` if it names a folder (a str or path, not empty); a TypeError (not a path) or ValueError (an empty
+    one) naming it otherwise. Path() would raise a bare TypeError for log_dir=3, and take log_dir="" for the current
+    folder, filling it with event files."""
+    if log_dir is None:
+        return None
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"log_dir must be a folder path (a str or Path) for TensorBoard's files, got {log_dir!r} (a "
+            f"{type(log_dir).__name__}); e.g. log_dir='runs/my_run', or leave it out."
+        )
+    if not str(os.fspath(log_dir)).strip():
+        raise ValueError(
+            f"log_dir={os.fspath(log_dir)!r} names no folder (TensorBoard would fill the current folder with its "
+            "files); pass a folder path such as log_dir='runs/my_run', or leave it out."
+        )
+    return log_dir
 
 
 def _is_number(value) -> bool:

@@ -172,13 +172,21 @@ def test_the_worker_rows_decode_enough_batches_per_worker_and_keep_the_pixels(da
     workers = decoding._decoding_workers(batches, 3)
     assert len(workers.dataset) == decoding.BATCHES_PER_WORKER * 3 and workers.batch_size is None
     assert workers.images_per_pass == (4 + 2) * decoding.BATCHES_PER_WORKER * 3 // 2
-    assert [workers.dataset[index] for index in range(3)] == [4, 2, 4]  # counts: the pixels stay where decoded
+    items = [workers.dataset[index] for index in range(3)]
+    assert [count for count, _, _ in items] == [4, 2, 4]  # counts: the pixels stay where decoded
+    assert all(0 <= ended - started < 60 for _, started, ended in items)  # when each decode began and ended (s)
     monkeypatch.setattr(decoding.os, "cpu_count", lambda: 2)
     table = decoding.decode_table(encoded, size=24, batch_size=4, num_workers=1, repeats=1, gpu=False)
     rate = {row["path"]: row for row in table.rows if "kept in the worker" in row["path"]}
     one, every = rate[decoding.ONE_WORKER], rate[next(path for path in rate if "every core" in path)]
     assert one["images_per_second"] > 0 and every["images_per_second"] > 0
     assert every["cpu_cores_used"] == "2 worker processes, 1 thread each"
+    # Each worker row holds its best pass as the workers saw it: every image decoded once, over no longer than the
+    # parent's span of the pass (the parent's clock starts before the first decode and stops after the last).
+    for row in (one, every):
+        assert row["decoded_in_workers"] == (4 + 2) * decoding.BATCHES_PER_WORKER * (1 if row is one else 2) // 2
+        assert 0 < row["worker_seconds"] <= row["decoded_in_workers"] / row["images_per_second"]
+    assert "decoded_in_workers" not in table.columns  # kept in the rows, not shown
     per_core = every["images_per_second"] / 2
     assert every["note"].startswith(f"{per_core:,.0f} images/s per core: ")
     assert f"{per_core / one['images_per_second']:.0%} of the 1-worker row's rate" in every["note"]
@@ -198,6 +206,20 @@ def test_photo_jpegs_are_upscaled_grainy_and_reproducible(dataset):
     assert (torch.stack(gk.data.decode_batch(smooth)).float() - upscaled).abs().mean() < 6  # 3 measured, q90
     with pytest.raises(ValueError, match="uint8 images"):
         photo_jpegs(images.float(), 128)
+
+
+def test_photo_jpegs_are_the_bytes_a_store_of_their_pixels_holds(dataset, tmp_path):
+    """A store written from photo_images holds photo_jpegs' bytes: a lesson reads and decodes the same bytes."""
+    from gpukit.data.decoding import photo_images, photo_jpegs
+    from gpukit.data.formats import encode
+
+    pixels = photo_images(dataset.images[:3], 64, seed=1)
+    assert pixels.shape == (3, 3, 64, 64) and pixels.dtype == torch.uint8
+    jpegs = photo_jpegs(dataset.images[:3], 64, seed=1)
+    assert jpegs == [encode(image, "jpeg", 90) for image in pixels]  # what write_shards and write_files store
+    photos = gk.data.ImageDataset(pixels, dataset.labels[:3], dataset.classes)
+    stored = gk.data.FileImages(gk.data.write_files(photos, tmp_path / "files"))
+    assert sorted(stored.read(index) for index in range(3)) == sorted(jpegs)
 
 
 # Two JPEG decoders read the same quantised coefficients; the standard leaves them three freedoms, bounded here.

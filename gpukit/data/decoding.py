@@ -28,7 +28,8 @@ batches of 1,000) against ~350–390/s for decode_jpeg on one CPU thread, about 
 the GPU was only 5× faster. The GPU's cost per call is fixed while the CPU's shrinks with the pixels,
 so small images gain less: compare on images of a few hundred pixels a side, in batches.
 
-`photo_jpegs(images, side)` makes test JPEGs that cost what photographs cost to decode.
+`photo_jpegs(images, side)` makes test JPEGs that cost what photographs cost to decode; `photo_images(images, side)`
+the pixels they encode.
 """
 
 from __future__ import annotations
@@ -68,21 +69,29 @@ def decode_batch(encoded: Sequence[bytes], device: str | torch.device = "cpu") -
     return io.decode_jpeg(_as_tensors(encoded), mode=io.ImageReadMode.RGB, device=device)
 
 
+def photo_images(images: torch.Tensor, side: int, *, grain: float = 8.0, seed: int = 0) -> torch.Tensor:
+    """uint8 images (N, 3, H, W) → uint8 images (N, 3, side, side): upscaled (bilinear), with Gaussian grain of std
+    `grain` (in 0–255 levels), so that as JPEGs they cost what photographs cost to decode (`photo_jpegs`)."""
+    if images.dtype != torch.uint8 or images.dim() != 4:
+        raise ValueError(
+            f"photo_images and photo_jpegs take uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}."
+        )
+    upscaled = torch.nn.functional.interpolate(images.float(), size=side, mode="bilinear")
+    noise = torch.randn(upscaled.shape, generator=torch.Generator().manual_seed(seed))
+    return (upscaled + grain * noise).round().clamp(0, 255).to(torch.uint8)
+
+
 def photo_jpegs(
     images: torch.Tensor, side: int, *, grain: float = 8.0, quality: int = 90, seed: int = 0
 ) -> list[bytes]:
-    """uint8 images (N, 3, H, W) → JPEG bytes of side×side: upscaled (bilinear), with Gaussian grain of std `grain`
-    (in 0–255 levels) so that they cost what photographs cost to decode.
+    """uint8 images (N, 3, H, W) → JPEG bytes of side×side: `photo_images`, encoded at `quality`, so that they cost
+    what photographs cost to decode. The same bytes as `write_shards` or `write_files` of those images store.
 
     Decoding time grows with the entropy-coded bytes: upscaled synthetic images alone are unnaturally smooth. With
     grain 8 at quality 90 a 512×512 JPEG holds ~77 kB, about what a photograph of that size holds, and decoded at ~800
     images/s on one CPU thread here, against ~1,400/s for the same images without grain (28 kB).
     """
-    if images.dtype != torch.uint8 or images.dim() != 4:
-        raise ValueError(f"photo_jpegs takes uint8 images (N, C, H, W), got {images.dtype} {tuple(images.shape)}.")
-    upscaled = torch.nn.functional.interpolate(images.float(), size=side, mode="bilinear")
-    noise = torch.randn(upscaled.shape, generator=torch.Generator().manual_seed(seed))
-    pixels = (upscaled + grain * noise).round().clamp(0, 255).to(torch.uint8)
+    pixels = photo_images(images, side, grain=grain, seed=seed)
     return [vision.io().encode_jpeg(image, quality=quality).numpy().tobytes() for image in pixels]
 
 
@@ -131,8 +140,10 @@ BATCHES_PER_WORKER = 4  # batches each worker decodes per timed pass: one alone 
 
 
 class _DecodedInWorker(Dataset):
-    """Item i: batch i mod len(batches) decoded in one batched call where the item is fetched (a worker), and only
-    the number of images sent back: the decoder's work alone, as nvJPEG's pixels stay on the GPU."""
+    """Item i: batch i mod len(batches) decoded in one batched call where the item is fetched (a worker). Sent back:
+    how many images it decoded, and when the decoding began and ended (time.perf_counter, seconds: on Linux the
+    system's monotonic clock, one clock for every process), not the pixels: the decoder's work alone, as nvJPEG's
+    pixels stay on the GPU. The counts and times let a reader check the row's rate with a clock of its own."""
 
     def __init__(self, batches: Sequence[Sequence[bytes]], items: int):
         self.batches, self.items = list(batches), items
@@ -141,8 +152,10 @@ class _DecodedInWorker(Dataset):
     def __len__(self) -> int:
         return self.items
 
-    def __getitem__(self, index: int) -> int:
-        return len(decode_batch(self.batches[index % len(self.batches)]))
+    def __getitem__(self, index: int) -> tuple[int, float, float]:
+        started = time.perf_counter()
+        decoded = len(decode_batch(self.batches[index % len(self.batches)]))
+        return decoded, started, time.perf_counter()
 
 
 def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -158,14 +171,23 @@ def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("nan")
 
 
-def _best_rate(run, count: int, repeats: int) -> float:
-    """The best images/s of `repeats` passes of `run` over `count` images."""
-    rates = []
+def _best_pass(run, count: int, repeats: int) -> tuple[float, object]:
+    """The best images/s of `repeats` passes of `run` over `count` images, and what that pass returned."""
+    passes = []
     for _ in range(repeats):
         started = time.perf_counter()
-        run()
-        rates.append(_rate(count, time.perf_counter() - started))
-    return max(rates)
+        result = run()
+        passes.append((_rate(count, time.perf_counter() - started), result))
+    return max(passes, key=lambda rate_result: rate_result[0])
+
+
+def _as_the_workers_counted(run, result) -> dict:
+    """For a row decoded in worker processes (_DecodedInWorker): the images its best pass's workers said they
+    decoded, and the seconds from the first decode's start to the last one's end by their clock; {} for others."""
+    if not isinstance(getattr(run, "dataset", None), _DecodedInWorker):
+        return {}
+    counts, starts, ends = zip(*result)
+    return {"decoded_in_workers": sum(counts), "worker_seconds": max(ends) - min(starts)}
 
 
 def _each(chunks, work, device: torch.device) -> None:
@@ -229,7 +251,9 @@ def decode_table(
     """images/s of every decode and augment path on the same JPEG bytes (see the module docstring).
 
     Each row is the best of `repeats` passes over `encoded`; CPU rows state the processes and threads
-    they used. Rows that need a CUDA GPU say "skipped: no GPU" where there is none. gpu: None measures
+    they used. The two rows decoded in worker processes also hold, not shown, the images that pass's workers said
+    they decoded (`decoded_in_workers`) and the seconds between their first decode's start and their last one's end
+    by the workers' own clock (`worker_seconds`): the rate again, counted and timed apart from the row's. Rows that need a CUDA GPU say "skipped: no GPU" where there is none. gpu: None measures
     the CUDA rows where a CUDA GPU is present; False skips them ("skipped: gpu=False"); True requires them.
     """
     if not encoded:
@@ -268,8 +292,8 @@ def decode_table(
             rows.append(row | {"images_per_second": None, "note": "skipped: num_workers=0 (no worker processes)"})
         else:
             getattr(run, "warm_up", lambda: None)()
-            images = getattr(run, "images_per_pass", len(encoded))
-            rows.append(row | {"images_per_second": _best_rate(run, images, repeats)})
+            rate, result = _best_pass(run, getattr(run, "images_per_pass", len(encoded)), repeats)
+            rows.append(row | {"images_per_second": rate} | _as_the_workers_counted(run, result))
             getattr(run, "close", lambda: None)()  # worker processes end before the next row is timed
     for row in rows:
         row.setdefault("note", "")
@@ -277,6 +301,7 @@ def decode_table(
     shape = decode_batch(encoded[:1])[0].shape
     return Table(
         rows,
+        ["path", "device", "cpu_cores_used", "images_per_second", "note"],  # the workers' own counts: rows only
         title=f"decode and augment {len(encoded)} JPEGs of {shape[1]}×{shape[2]} to {size}×{size}, batches "
         f"of {batch_size}, {os.cpu_count()} CPU cores here",
     )

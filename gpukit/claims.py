@@ -47,6 +47,8 @@ def skip_check(claim: str, why: str) -> None:
 
 
 def _number(value: float) -> str:
+    """Three significant digits, trailing zeros kept ("1.00", not "1"), so that a line's shape does not change with
+    its value (strict nbval masks the digits, not their count); thousands separated from 1,000 up."""
     if math.isfinite(value) and 1000 <= abs(value) < 1e9:
         return f"{value:,.0f}"
-    return f"{value:.3g}"
+    return f"{value:#.3g}" if math.isfinite(value) else f"{value}"

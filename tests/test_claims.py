@@ -20,14 +20,14 @@ def test_a_check_that_fails_raises_an_assertion_error_with_the_claim_and_prints_
 
 @pytest.mark.parametrize("value", [0.5, 2.0, math.nan, math.inf, -math.inf])
 def test_check_between_fails_a_value_twice_or_half_the_truth_and_any_non_finite_one(value):
-    with pytest.raises(gk.CheckFailed, match="allowed 0.8 to 1.25"):
+    with pytest.raises(gk.CheckFailed, match="allowed 0.800 to 1.25"):
         gk.check_between(value, 0.8, 1.25, "gk.bench agrees with a hand clock")
 
 
 @pytest.mark.parametrize("value", [0.8, 1.0, 1.25])
 def test_check_between_passes_the_range_including_its_ends(value, capsys):
     gk.check_between(value, 0.8, 1.25, "gk.bench agrees with a hand clock", unit="x")
-    assert capsys.readouterr().out.startswith(f"check passed: gk.bench agrees with a hand clock ({value:.3g}x, ")
+    assert capsys.readouterr().out.startswith(f"check passed: gk.bench agrees with a hand clock ({value:#.3g}x, ")
 
 
 def test_check_between_refuses_a_range_given_upside_down():
@@ -43,3 +43,8 @@ def test_large_numbers_read_with_thousands_separators(capsys):
 def test_skip_check_prints_the_line_the_site_counts_as_skipped(capsys):
     gk.skip_check("the bf16 count", "this GPU has no bf16")
     assert capsys.readouterr().out == "skipped: the bf16 count: this GPU has no bf16\n"
+
+
+def test_a_whole_ratio_keeps_its_digits_so_a_line_keeps_its_shape(capsys):
+    gk.check_between(1.0, 0.5, 2.0, "the ratio", unit="x")  # "1.00x", as 1.01 prints "1.01x"
+    assert capsys.readouterr().out == "check passed: the ratio (1.00x, allowed 0.500x to 2.00x)\n"

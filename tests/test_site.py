@@ -267,6 +267,43 @@ def test_no_green_pill_on_a_cell_whose_checks_all_skipped_and_its_code_is_folded
     assert "1 skipped here" in good  # the lesson's bar says how many check cells skipped
 
 
+def test_an_exercise_shipped_blank_is_no_green_pill_and_its_solution_is_one_click_away(tmp_path):
+    # A lesson's Practice section as tools/practice_cells.py inserts it, executed as shipped: the check says
+    # "not attempted yet" and passes. Its pill must not read as a checked claim, and the solution stays folded.
+    from gpukit.practice import cells as practice_cells
+    from gpukit.practice import lesson03
+
+    notebook = lesson(SETUP, PLOT, CHECK)
+    section = [nbformat.from_dict(cell) for cell in practice_cells.practice_cells(lesson03)]
+    for cell in section:
+        cell.source = "".join(cell.source)  # as nbformat.read gives it
+    notebook.cells += section
+    for index, cell in enumerate(notebook.cells[1:], start=1):
+        if cell.cell_type == "code":
+            cell.execution_count = index
+            cell.outputs = []
+    notebook.cells[1].outputs = [stdout(ENV_LINE)]
+    notebook.cells[2].outputs = [figure()]
+    checks = [cell for cell in notebook.cells if cell.get("metadata", {}).get("gpukit", {}).get("role") == "check"]
+    for cell in checks:
+        key = cell.metadata["gpukit"]["exercise"]
+        cell.outputs = [stdout(f"not attempted yet: {key}: replace the ... in your cell, then run this cell again\n")]
+    checks[-1].outputs = [stdout(f"check passed: {checks[-1].metadata['gpukit']['exercise']}: matched\n")]
+    described = site.describe(notebook, "03_practice")
+    assert len(described.checks) == 1, "the lesson's own claims are counted apart from its exercises"
+    assert [e.status for e in described.exercises] == ["not attempted"] * (len(checks) - 1) + ["passed"]
+    write(tmp_path / "executed", "03_practice", notebook)
+    site.build(tmp_path / "site", executed=tmp_path / "executed", report=lambda line: None)
+    page = (tmp_path / "site" / "03_practice.html").read_text()
+    pills = re.findall(r'<div class="gk-check gk-([\w-]+)">', page)
+    assert pills.count("not-attempted") == len(checks) - 1 and pills.count("passed") == 2
+    folded = re.findall(
+        r'<details class="gk-hidden gk-solution"><summary>[^<]*</summary>\s*<pre>(.*?)</pre>', page, re.S
+    )
+    assert [html.unescape(code).strip() for code in folded] == [e.solution_code.strip() for e in lesson03.EXERCISES]
+    assert f"{len(checks)} exercises (solutions folded)" in page
+
+
 def test_the_command_line(tmp_path, capsys):
     executed_lessons(tmp_path / "executed")
     assert cli.main(["site", str(tmp_path / "site"), "--from", str(tmp_path / "executed")]) == 1

@@ -39,6 +39,7 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
+from .. import practice
 from ..runfile import git_commit
 from ..shipped import folder
 from .gpucheck import child_environment
@@ -53,6 +54,7 @@ ENV_LINE = re.compile(r"^device=(?P<device>\S+) gpus=\d+ \((?P<gpus>.*)\) bf16=.
 # The lines gk.check / gk.check_between and gk.skip_check print (gpukit/claims.py): one per check.
 SKIPPED_LINE = re.compile(r"^skipped\b", re.M | re.I)  # a check this machine cannot make, e.g. a GPU-only claim
 PASSED_LINE = re.compile(r"^check passed\b", re.M | re.I)
+UNATTEMPTED_LINE = re.compile(r"^not attempted yet\b", re.M | re.I)  # an exercise shipped blank (gpukit/practice)
 
 
 @dataclass
@@ -74,7 +76,9 @@ class Check:
             return f"✓ {ran} of {ran + self.skipped} checks ran and passed · {self.skipped} skipped here (see below)"
         if self.status == "passed" and self.passed_lines > 1:
             return f"✓ {self.passed_lines} checks passed"
-        return {"passed": "✓ check passed", "failed": "✗ check failed", "not run": "– check not run"}[self.status]
+        labels = {"passed": "✓ check passed", "failed": "✗ check failed", "not run": "– check not run"}
+        labels["not attempted"] = "– exercise not attempted: its check measures here once you answer"
+        return labels[self.status]
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Lesson:
     figures: int
     checks: list[Check] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # why the build fails: "cell 12 (id …): AssertionError: …"
+    exercises: list[Check] = field(default_factory=list)  # the Practice section's check cells, apart from the claims'
 
     @property
     def passed(self) -> int:
@@ -215,6 +220,8 @@ def check_outcome(cell) -> str:
     if cell.get("execution_count") is None:
         return "not run"
     printed = "".join(_text(output) for output in cell.get("outputs", []))
+    if UNATTEMPTED_LINE.search(printed) and not PASSED_LINE.search(printed):
+        return "not attempted"
     return "skipped" if SKIPPED_LINE.search(printed) and not PASSED_LINE.search(printed) else "passed"
 
 
@@ -272,19 +279,24 @@ def _problems(notebook, figures: int) -> list[str]:
     return problems
 
 
+def exercise_key(cell) -> str | None:
+    """The exercise a Practice section's check cell checks ("03.model_state"), from its metadata; else None."""
+    found = cell.get("metadata", {}).get("gpukit", {})
+    return found.get("exercise") if found.get("role") == "check" else None
+
+
 def describe(notebook, name: str, path: Path | None = None) -> Lesson:
-    """What an executed lesson shows: its checks' outcomes, its figures and what would fail the build."""
-    checks = [
-        _check(index, cell)
-        for index, cell in enumerate(notebook.cells)
-        if cell.cell_type == "code" and is_check(cell.source)
-    ]
+    """What an executed lesson shows: its checks' outcomes, its exercises', its figures and what fails the build."""
+    code = [(index, cell) for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
+    checks = [_check(index, cell) for index, cell in code if is_check(cell.source) and exercise_key(cell) is None]
+    exercises = [_check(index, cell) for index, cell in code if exercise_key(cell) is not None]
     outputs = [output for cell in notebook.cells for output in cell.get("outputs", [])]
     figures = sum(any(kind in output.get("data", {}) for kind in FIGURE_TYPES) for output in outputs)
     profile, device = _run_facts(notebook)
     executed, seconds = _when(notebook, path)
     problems = _problems(notebook, figures)
-    return Lesson(name, _title(notebook, name), profile, device, executed, seconds, figures, checks, problems)
+    facts = (profile, device, executed, seconds, figures)
+    return Lesson(name, _title(notebook, name), *facts, checks=checks, problems=problems, exercises=exercises)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +313,8 @@ STYLE = """
 .gk-failed { background: #fde2e1; color: #8e1c15; border: 1px solid #e08b86; }
 .gk-not-run { background: #eee; color: #555; border: 1px solid #bbb; }
 .gk-skipped { background: #fff4d6; color: #7a5200; border: 1px solid #e0b650; }
+.gk-not-attempted { background: #eef2fb; color: #33466e; border: 1px solid #9fb0d6; }
+details.gk-solution > pre { margin: 2px 0 8px 64px; padding: 6px 10px; background: #f7f7f7; font-size: 13px; }
 details.gk-hidden > summary { font-family: system-ui, sans-serif; font-size: 13px; color: #555; cursor: pointer;
   margin: 2px 0 2px 64px; }
 table.gk-index { border-collapse: collapse; font-size: 14px; }
@@ -324,6 +338,9 @@ TEMPLATE = """{%- extends 'index.html.j2' -%}
 {%- else -%}{{ super() }}{%- endif -%}
 {%- set check = cell.metadata.get("gpukit_check") -%}
 {%- if check %}<div class="gk-check gk-{{ check.status | replace(' ', '-') }}">{{ check.label | e }}</div>{% endif %}
+{%- set solution = cell.metadata.get("gpukit_solution") -%}
+{%- if solution %}<details class="gk-hidden gk-solution"><summary>our solution (try the hints first)</summary>
+<pre>{{ solution | e }}</pre></details>{% endif %}
 {% endblock input_group %}
 """
 
@@ -354,9 +371,18 @@ def _for_the_page(notebook, lesson: Lesson):
         elif cell.cell_type == "markdown":
             cell.source = without_remote_images(cell.source)
     notebook, _ = CoalesceStreamsPreprocessor().preprocess(notebook, {})
-    for check in lesson.checks:
+    for check in lesson.checks + lesson.exercises:
         notebook.cells[check.cell].metadata["gpukit_check"] = {"status": check.status, "label": check.label}
+    solutions = solution_code()
+    for exercise in lesson.exercises:
+        cell = notebook.cells[exercise.cell]
+        cell.metadata["gpukit_solution"] = solutions.get(exercise_key(cell), "")
     return notebook
+
+
+def solution_code() -> dict[str, str]:
+    """Each exercise's solution, by key: the site shows it folded under the exercise's check."""
+    return {exercise.key: exercise.solution_code for lesson in practice.lessons() for exercise in lesson.EXERCISES}
 
 
 def _run_line(lesson: Lesson) -> str:
@@ -365,6 +391,7 @@ def _run_line(lesson: Lesson) -> str:
         f"profile <b>{html.escape(lesson.profile)}</b> · device <b>{html.escape(lesson.device)}</b> · run "
         f"{html.escape(lesson.executed)}{took} · <b>{lesson.passed} of {len(lesson.checks)}</b> checks passed"
         + (f" · {lesson.skipped} skipped here" if lesson.skipped else "")
+        + (f" · {len(lesson.exercises)} exercises (solutions folded)" if lesson.exercises else "")
     )
 
 

@@ -248,7 +248,7 @@ CUDA_BY_CONTRACT = {
     "env.cuda_index": "refuses a device that is not CUDA",
     "fp8.compare_speed": "a default argument; training_config refuses before any work where no CUDA GPU is seen",
     "fp8.supported": "asks CUDA only once _hardware_reason found a CUDA device that torch sees, with FP8 tensor cores",
-    "gpucheck.benchmark_command": "the GPU check runs on CUDA machines only (test_gpucheck: nothing starts without)",
+    "commands.gpucheck.benchmark_command": "the GPU check runs on CUDA machines only (test_gpucheck: nothing starts without)",
     "hardware.monitor.__init__": "a default argument; for a CUDA device a Monitor asks NVML, never CUDA",
     "hardware.planning.plan": "plans for CUDA GPUs with fake tensors, as gk.memory.estimate(device='cuda')",
     "hardware.planning._measure_here": "the name of CUDA's clock in a table",
@@ -260,6 +260,7 @@ CUDA_BY_CONTRACT = {
     "memory.plan._free_for_training": "called only where the target is CUDA and torch.cuda.is_available()",
     "memory.workspaces.__torch_dispatch__": "the mode of layer_workspaces, which refuses a device that is not CUDA",
     "memory.workspaces.layer_workspaces": "a default argument; refuses a device that is not CUDA",
+    "practice.lesson00._measure_gpu_over_cpu": "an exercise's measure; Exercise.check skips it (no call) where torch sees no CUDA GPU",
     "runfile.run_environment": "a key: the CUDA version torch was built for (None on a Mac)",
 }
 

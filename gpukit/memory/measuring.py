@@ -357,7 +357,6 @@ def allocate_cublas_workspaces(device: torch.device) -> None:
     del weight
 
 
-@keeps_generators
 def _refuse_meta(batch: Batch) -> None:
     """A batch on the meta device has shapes but no values, and breakdown runs a real step on it ("Cannot copy out of
     meta tensor"): said, with the function that takes shapes alone."""
@@ -375,6 +374,7 @@ def _is_meta(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
 
+@keeps_generators
 def breakdown(
     model: nn.Module,
     batch,

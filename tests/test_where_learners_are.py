@@ -237,7 +237,7 @@ def test_every_lessons_cuda_use_is_guarded():
 
 # gpukit's CUDA-only uses that no CUDA test guards where they stand, and why no Mac reaches CUDA through them.
 CUDA_BY_CONTRACT = {
-    "checkup._nccl_version": "asks the NCCL library its version (no GPU); a torch without NCCL raises, caught",
+    "checkup.__init__._nccl_version": "asks the NCCL library its version (no GPU); a torch without NCCL raises, caught",
     "data.decoding.decode_table": "its CUDA rows run only where torch.cuda.is_available() (gpu=True checks it)",
     "data.prefetching._copy": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
     "data.prefetching.__iter__": "CUDAPrefetcher refuses a device that is not CUDA when it is made",

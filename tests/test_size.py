@@ -15,7 +15,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "gpukit"
 
 BUDGET = {  # folder: (lines on 2026-11-29, the budget)
-    "gpukit": (4855, 5100),
+    "gpukit": (4146, 4360),
+    "gpukit/checkup": (792, 840),
     "gpukit/commands": (3005, 3150),  # the shell's wing: gpu-check, its lease plans, the site, JupyterLab's hooks
     "gpukit/data": (3037, 3200),
     "gpukit/distributed": (2056, 2160),
@@ -56,7 +57,6 @@ LEARNERS_MODULES = [
     "optim.py",
 ]
 LONGER = {  # modules over 400 lines today: their length may only shrink
-    "checkup.py": 709,
     "commands/gpucheck.py": 691,
     "commands/gpulease.py": 615,
     "hardware/planning.py": 611,

@@ -27,8 +27,8 @@ from gpukit.data.formats import encode
 from gpukit.distributed import parallel
 from gpukit.distributed.launcher import _check_backend_and_nprocs, _check_fork_is_safe
 from gpukit.env import GPUInfo, cuda_index
+from gpukit.hardware.calibration import _present_machine
 from gpukit.hardware.monitor import Monitor
-from gpukit.hardware.planning import _present_machine
 from gpukit.memory import allocator
 from gpukit.memory import plan as plan_module
 from gpukit.precision import get_precision, has_fast_kernels

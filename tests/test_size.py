@@ -20,7 +20,7 @@ BUDGET = {  # folder: (lines on 2026-11-29, the budget)
     "gpukit/commands": (3005, 3150),  # the shell's wing: gpu-check, its lease plans, the site, JupyterLab's hooks
     "gpukit/data": (3037, 3200),
     "gpukit/distributed": (2056, 2160),
-    "gpukit/hardware": (1385, 1450),
+    "gpukit/hardware": (1446, 1520),
     "gpukit/memory": (2797, 2940),
     "gpukit/practice": (3310, 3480),  # the lessons' exercises: mostly their prompts, solutions and wrong answers
     "gpukit/step": (943, 1000),
@@ -59,7 +59,6 @@ LEARNERS_MODULES = [
 LONGER = {  # modules over 400 lines today: their length may only shrink
     "commands/gpucheck.py": 691,
     "commands/gpulease.py": 615,
-    "hardware/planning.py": 611,
     "memory/activation_checkpointing.py": 572,
     "env.py": 569,
     "distributed/launcher.py": 538,

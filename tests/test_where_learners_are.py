@@ -251,7 +251,7 @@ CUDA_BY_CONTRACT = {
     "gpucheck.benchmark_command": "the GPU check runs on CUDA machines only (test_gpucheck: nothing starts without)",
     "hardware.monitor.__init__": "a default argument; for a CUDA device a Monitor asks NVML, never CUDA",
     "hardware.planning.plan": "plans for CUDA GPUs with fake tensors, as gk.memory.estimate(device='cuda')",
-    "hardware.planning._measure_here": "the name of CUDA's clock in a table",
+    "hardware.calibration._measure_here": "the name of CUDA's clock in a table",
     "memory.allocator._cuda_device": "the check that refuses a device that is not CUDA",
     "memory.allocator.limit_gpu_memory": "calls _cuda_device first",
     "memory.allocator.expandable_segments": "calls _cuda_device first",

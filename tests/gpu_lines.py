@@ -52,8 +52,14 @@ NVML_QUIET = {"nvmlInit", "nvmlShutdown", "NVMLError"}  # reached on any machine
 # body of the `if` whose test is `test` (ast.unparse form); ("else", test) its else branch; ("after", statement) what
 # follows the statement that starts with `statement` in the same block.
 SEMANTIC = [
-    ("env.py", "detect", ("if", "gpus and (not problem)"), "CUDA", "GPUs that NVML lists and CUDA can use"),
-    ("env.py", "resolve_device", ("after", "if count == 0:"), "CUDA", "past the last no-GPU check (then the index's)"),
+    ("env/__init__.py", "detect", ("if", "gpus and (not problem)"), "CUDA", "GPUs that NVML lists and CUDA can use"),
+    (
+        "env/__init__.py",
+        "resolve_device",
+        ("after", "if count == 0:"),
+        "CUDA",
+        "past the last no-GPU check (then the index's)",
+    ),
     ("hardware/contention.py", "measure_contention", ("else", "device_name == 'cpu'"), "CUDA", "both on the GPU"),
     ("memory/measuring.py", "cublas_workspace_bytes", None, "CUDA", "no caller in gpukit: tests and lessons on a GPU"),
     ("memory/allocator.py", "_expandable_now", None, "CUDA", "no caller in gpukit: tests on a GPU"),

@@ -226,7 +226,7 @@ def _fake_pynvml() -> types.ModuleType:
 
 def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
-    monkeypatch.setattr(env, "_surveys", {})  # make detect() ask the fake NVML
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})  # make detect() ask the fake NVML
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
@@ -259,7 +259,7 @@ def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
 def fake_nvml(monkeypatch, forbid_cuda):
     """The fake NVML's one A100 behind a driver for CUDA 12.2; detect() asks it afresh, no GPU variables set."""
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
-    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})
     monkeypatch.setattr(env, "_explained", set())  # detect() prints each problem once per process
     monkeypatch.setattr(env, "_mps_available", lambda: False)
     for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
@@ -429,7 +429,7 @@ def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypat
         NVML_VOLATILE_ECC=0,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})
     (gpu,) = collect(check_imports=False).gpus
     assert (gpu.power_limit, gpu.power_limit_default, gpu.persistence_mode, gpu.ecc_errors) == (400.0, 500.0, False, 2)
     report = Report(gpus=[gpu], pid=os.getpid())

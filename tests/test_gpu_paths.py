@@ -776,7 +776,7 @@ def _cuda_layer() -> tuple:
         torch.Tensor.to,
         torch.Tensor.pin_memory,
         sys.modules.get("pynvml"),
-        gk_env._surveys,
+        gk_env.gpu_survey._surveys,
         allocator._watching,
         allocator._refused,
     )

@@ -183,7 +183,7 @@ def apple_silicon(monkeypatch, automatic_profile):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # an M1, M2 or M3: 8 cores
-    monkeypatch.setattr(gk.env, "_cuda_survey", lambda: gk.env._Survey([], ""))  # no NVIDIA GPU either
+    monkeypatch.setattr(gk.env, "_cuda_survey", lambda: gk.env.gpu_survey._Survey([], ""))  # no NVIDIA GPU either
     with _MpsOnTheCpu():
         yield reached
 
@@ -237,7 +237,7 @@ def test_every_lessons_cuda_use_is_guarded():
 
 # gpukit's CUDA-only uses that no CUDA test guards where they stand, and why no Mac reaches CUDA through them.
 CUDA_BY_CONTRACT = {
-    "checkup.__init__._nccl_version": "asks the NCCL library its version (no GPU); a torch without NCCL raises, caught",
+    "checkup._nccl_version": "asks the NCCL library its version (no GPU); a torch without NCCL raises, caught",
     "data.decoding.decode_table": "its CUDA rows run only where torch.cuda.is_available() (gpu=True checks it)",
     "data.prefetching._copy": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
     "data.prefetching.__iter__": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
@@ -270,7 +270,8 @@ def test_gpukit_reaches_cuda_only_behind_a_cuda_test_or_by_contract():
     package = Path(gk.__file__).parent
     found = {}
     for path in sorted(package.rglob("*.py")):
-        module = ".".join(path.relative_to(package).with_suffix("").parts)
+        parts = path.relative_to(package).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)  # a package's own code: its name
         for name, uses in cuda_guards.unguarded_in_functions(path.read_text()).items():
             found[f"{module}.{name}"] = uses
     assert found.keys() == CUDA_BY_CONTRACT.keys(), {

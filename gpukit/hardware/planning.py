@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..bench import flops_per_step
-from ..memory.measuring import check_model, sample_batch
+from ..memory.measured_step import check_model, sample_batch
 from ..memory.parts import MemoryBreakdown
 from ..memory.prediction import precision_name, predict, resized
 from ..precision import Precision

@@ -22,7 +22,7 @@ import gpukit as gk
 from gpukit import bench, memory
 from gpukit import env as gk_env
 from gpukit.checkup import warnings
-from gpukit.data import CUDAPrefetcher, bottleneck, decoding, prefetch, timeline
+from gpukit.data import CUDAPrefetcher, bottleneck, decoding, loader_timing, prefetch, timeline
 from gpukit.data.formats import encode
 from gpukit.distributed import parallel
 from gpukit.distributed.launcher import _check_backend_and_nprocs, _check_fork_is_safe
@@ -585,14 +585,15 @@ def test_diagnose_on_cuda_turns_the_kernels_share_of_the_step_into_a_verdict(fak
     step's calls read a host share of 0.22 under load, where the fake's host is in its calls nearly all the time."""
     resident = [tuple(tensor.to("cuda") for tensor in _images(8))]  # batches already on the device: never input-bound
     profiled = []
-    monkeypatch.setattr(bottleneck, "time", types.SimpleNamespace(perf_counter=time.process_time, sleep=time.sleep))
     synchronize = bottleneck.synchronize
 
     def waiting(device):  # as a busy machine does: 0.2 s without a core, outside the step's calls (wall 0.22 read)
         time.sleep(0.2)
         synchronize(device)
 
-    monkeypatch.setattr(bottleneck, "synchronize", waiting)
+    for module in (bottleneck, loader_timing):  # diagnose times the step, and the loader alone, on this clock
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=time.process_time, sleep=time.sleep))
+        monkeypatch.setattr(module, "synchronize", waiting)
     monkeypatch.setattr(bottleneck, "kernel_seconds", _kernels_for(0.1, profiled))
     small = gk.data.diagnose(resident, _linear_model(), steps=8, warmup=1, device="cuda")
     assert profiled == [(bottleneck.PROFILED_STEPS, CUDA)]

@@ -18,7 +18,7 @@ BUDGET = {  # folder: (lines on 2026-11-29, the budget)
     "gpukit": (3577, 3760),
     "gpukit/checkup": (792, 840),
     "gpukit/commands": (3005, 3150),  # the shell's wing: gpu-check, its lease plans, the site, JupyterLab's hooks
-    "gpukit/data": (3037, 3200),
+    "gpukit/data": (3091, 3250),
     "gpukit/distributed": (2056, 2160),
     "gpukit/env": (629, 670),
     "gpukit/hardware": (1446, 1520),
@@ -66,7 +66,6 @@ LONGER = {  # modules over 400 lines today: their length may only shrink
     "distributed/parallel.py": 485,
     "commands/gpuledger.py": 485,
     "commands/cli.py": 446,
-    "data/bottleneck.py": 427,
     "fp8.py": 410,
 }
 

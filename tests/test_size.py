@@ -16,12 +16,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gpukit"
 
 BUDGET = {  # folder: (lines on 2026-11-29, the budget)
     "gpukit": (3577, 3760),
-    "gpukit/checkup": (792, 840),
+    "gpukit/checkup": (786, 830),
     "gpukit/commands": (3005, 3150),  # the shell's wing: gpu-check, its lease plans, the site, JupyterLab's hooks
     "gpukit/data": (3091, 3250),
     "gpukit/distributed": (2056, 2160),
-    "gpukit/env": (629, 670),
-    "gpukit/hardware": (1446, 1520),
+    "gpukit/env": (627, 660),
+    "gpukit/hardware": (1445, 1520),
     "gpukit/memory": (2837, 2980),
     "gpukit/practice": (3310, 3480),  # the lessons' exercises: mostly their prompts, solutions and wrong answers
     "gpukit/step": (943, 1000),

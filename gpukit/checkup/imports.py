@@ -60,11 +60,7 @@ IMPORT_CHECKS = {
     "torchao": "import torchao",
     "pynvml": "import pynvml",
 }
-
-
 LESSONS_EXTRA = ("yaml", "webdataset", "tensorboard", "timm", "torchao", "pynvml")
-
-
 IMPORT_SECONDS = 300  # all of it took 8-15 s on two busy cores (timm and torchao ~10 s each alone, sharing most)
 
 

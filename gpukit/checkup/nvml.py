@@ -24,8 +24,6 @@ _CLOCK_ADVICE = {
     "hardware thermal slowdown": "It is too hot: improve cooling or airflow, and let it cool down.",
     "hardware power brake slowdown": "The power supply asked it to slow down: ask the admin to check the power supply.",
 }
-
-
 _DEFAULT_CLOCK_ADVICE = "See why with `nvidia-smi -q -d PERFORMANCE`."
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 # Oldest NVIDIA driver of each CUDA major version (CUDA Compatibility guide, "Minor Version Compatibility",
 # table 1: https://docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html).
 _MIN_DRIVER = {11: "450.80.02", 12: "525", 13: "580"}
-
-
 # PyTorch wheel indexes for a driver of each CUDA major: the oldest minor published, which runs on every
 # driver of that major (see below). https://pytorch.org/get-started/locally/ lists the current builds.
 _TORCH_INDEX = {12: "cu126", 13: "cu130"}

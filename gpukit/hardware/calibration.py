@@ -34,7 +34,6 @@ from .gpus import find_gpu
 # far less, which is why the default is to measure your own model on the machine present.
 TYPICAL_MFU = 0.35
 
-
 # mfu="measured" trains a copy of the model here, so it first predicts that run's memory (fake tensors:
 # nothing runs) and measures only where the prediction times this factor fits what is free: the prediction
 # leaves out allocator rounding, fragmentation and what other processes take meanwhile. A 1.07 B-parameter

@@ -72,7 +72,7 @@ SEMANTIC = [
     ),
     ("memory/plan.py", "_check_budget", ("after", "if not on_gpu:"), "CUDA", "on_gpu: the caller's CUDA test"),
     ("distributed/launcher.py", "_check_backend_and_nprocs", ("if", "backend == 'nccl'"), "CUDA", "NCCL, GPUs seen"),
-    ("distributed/parallel.py", "setup", ("if", "backend == 'nccl'"), "CUDA", "one GPU per process (two blocks)"),
+    ("distributed/process_group.py", "setup", ("if", "backend == 'nccl'"), "CUDA", "one GPU per process (two blocks)"),
     ("data/decoding.py", "decode_table", ("if", "cuda"), "CUDA", "gpu=True is refused without a GPU: nvJPEG rows"),
     ("hardware/monitor.py", "Monitor.start", ("if", "self._nvml is not None"), "NVML", "NVML opened a GPU"),
     ("hardware/monitor.py", "Monitor.close", ("if", "self._nvml is not None"), "NVML", "NVML opened a GPU"),

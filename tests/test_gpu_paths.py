@@ -24,7 +24,7 @@ from gpukit import env as gk_env
 from gpukit.checkup import warnings
 from gpukit.data import CUDAPrefetcher, bottleneck, decoding, loader_timing, prefetch, timeline
 from gpukit.data.formats import encode
-from gpukit.distributed import parallel
+from gpukit.distributed import process_group
 from gpukit.distributed.launcher import _check_backend_and_nprocs, _check_fork_is_safe
 from gpukit.env import GPUInfo, cuda_index
 from gpukit.hardware.calibration import _present_machine
@@ -751,10 +751,10 @@ def test_fork_is_refused_where_a_cuda_device_is_visible(fake_cuda):
 
 
 def test_setup_with_nccl_checks_local_rank_against_the_gpus(fake_cuda, monkeypatch):
-    assert parallel._cuda_available(in_job=False) and parallel._cuda_available(in_job=True)
+    assert process_group._cuda_available(in_job=False) and process_group._cuda_available(in_job=True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="LOCAL_RANK=1 needs GPU cuda:1, but this machine shows 1 GPU"):
-        parallel.setup("nccl")
+        process_group.setup("nccl")
     assert not torch.distributed.is_initialized()
 
 

@@ -242,7 +242,7 @@ CUDA_BY_CONTRACT = {
     "data.prefetching._copy": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
     "data.prefetching.__iter__": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
     "distributed.launcher.<module>": "BACKENDS: the names launch accepts",
-    "distributed.parallel.setup": "NCCL is the default only where gk.detect() (in a worker, torch) finds CUDA",
+    "distributed.process_group.setup": "NCCL is the default only where gk.detect() (in a worker, torch) finds CUDA",
     "distributed.scaling.benchmark_backend": "the backend of each device name",
     "env.detect": "'cuda' only where the survey found CUDA GPUs this torch can use",
     "env.cuda_index": "refuses a device that is not CUDA",

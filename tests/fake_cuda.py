@@ -527,7 +527,7 @@ class FakeCuda:
         import gpukit.env
         from gpukit.memory import allocator
 
-        monkeypatch.setattr(gpukit.env, "_surveys", {})  # detect() asks the fake NVML
+        monkeypatch.setattr(gpukit.env.gpu_survey, "_surveys", {})  # detect() asks the fake NVML
         monkeypatch.setattr(allocator, "_watching", False)  # the observer attached to the fake goes with it
         monkeypatch.setattr(allocator, "_refused", {})
         monkeypatch.setattr(allocator, "_applied", None)  # the allocator settings it applied (torch 2.11 reads these)

@@ -52,8 +52,14 @@ NVML_QUIET = {"nvmlInit", "nvmlShutdown", "NVMLError"}  # reached on any machine
 # body of the `if` whose test is `test` (ast.unparse form); ("else", test) its else branch; ("after", statement) what
 # follows the statement that starts with `statement` in the same block.
 SEMANTIC = [
-    ("env.py", "detect", ("if", "gpus and (not problem)"), "CUDA", "GPUs that NVML lists and CUDA can use"),
-    ("env.py", "resolve_device", ("after", "if count == 0:"), "CUDA", "past the last no-GPU check (then the index's)"),
+    ("env/__init__.py", "detect", ("if", "gpus and (not problem)"), "CUDA", "GPUs that NVML lists and CUDA can use"),
+    (
+        "env/__init__.py",
+        "resolve_device",
+        ("after", "if count == 0:"),
+        "CUDA",
+        "past the last no-GPU check (then the index's)",
+    ),
     ("hardware/contention.py", "measure_contention", ("else", "device_name == 'cpu'"), "CUDA", "both on the GPU"),
     ("memory/measuring.py", "cublas_workspace_bytes", None, "CUDA", "no caller in gpukit: tests and lessons on a GPU"),
     ("memory/allocator.py", "_expandable_now", None, "CUDA", "no caller in gpukit: tests on a GPU"),
@@ -66,7 +72,7 @@ SEMANTIC = [
     ),
     ("memory/plan.py", "_check_budget", ("after", "if not on_gpu:"), "CUDA", "on_gpu: the caller's CUDA test"),
     ("distributed/launcher.py", "_check_backend_and_nprocs", ("if", "backend == 'nccl'"), "CUDA", "NCCL, GPUs seen"),
-    ("distributed/parallel.py", "setup", ("if", "backend == 'nccl'"), "CUDA", "one GPU per process (two blocks)"),
+    ("distributed/process_group.py", "setup", ("if", "backend == 'nccl'"), "CUDA", "one GPU per process (two blocks)"),
     ("data/decoding.py", "decode_table", ("if", "cuda"), "CUDA", "gpu=True is refused without a GPU: nvJPEG rows"),
     ("hardware/monitor.py", "Monitor.start", ("if", "self._nvml is not None"), "NVML", "NVML opened a GPU"),
     ("hardware/monitor.py", "Monitor.close", ("if", "self._nvml is not None"), "NVML", "NVML opened a GPU"),

@@ -219,7 +219,7 @@ MUTANTS = {
         ),
         *_pair(
             "plan_step_time",
-            "gpukit.hardware.planning:_row",
+            "gpukit.hardware.roofline:_row",
             2.0,
             _plan_row_scaled,
             "gk.hardware.plan: each GPU's predicted step time {x} (and the hours and cost that follow)",

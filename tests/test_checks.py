@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpukit as gk
-from gpukit.hardware import planning
+from gpukit.hardware import calibration, planning
 from gpukit.optim import make_schedule
 from gpukit.train.checks import NonFiniteInputError
 
@@ -355,8 +355,8 @@ def _never_measure(*args, **kwargs):
 
 @pytest.mark.parametrize("kind", ["cnn", "gpt"])
 def test_plan_does_not_measure_what_does_not_fit(monkeypatch, capsys, kind):
-    monkeypatch.setattr(planning, "_free_bytes", lambda device: 2**20)  # 1 MiB free: nothing fits
-    monkeypatch.setattr(planning, "_measure_here", _never_measure)
+    monkeypatch.setattr(calibration, "_free_bytes", lambda device: 2**20)  # 1 MiB free: nothing fits
+    monkeypatch.setattr(calibration, "_measure_here", _never_measure)
     model, batch = (
         (gk.models.fast_cnn(4), (torch.randn(4, 3, 32, 32), _classes(4)))
         if kind == "cnn"
@@ -372,8 +372,8 @@ def test_plan_does_not_measure_what_does_not_fit(monkeypatch, capsys, kind):
 def test_plan_of_a_billion_parameters_assumes_rather_than_runs(monkeypatch, capsys):
     """The model of the report, 1.07 B parameters, built on the meta device (nothing allocated): with 8 GiB
     free here its AdamW steps (16 bytes per parameter before activations) cannot fit, so nothing runs."""
-    monkeypatch.setattr(planning, "_free_bytes", lambda device: 8 * 2**30)
-    monkeypatch.setattr(planning, "_measure_here", _never_measure)
+    monkeypatch.setattr(calibration, "_free_bytes", lambda device: 8 * 2**30)
+    monkeypatch.setattr(calibration, "_measure_here", _never_measure)
     with torch.device("meta"):
         model = nn.Sequential(
             nn.Embedding(32_768, 4096),
@@ -388,7 +388,7 @@ def test_plan_of_a_billion_parameters_assumes_rather_than_runs(monkeypatch, caps
 
 
 def test_free_memory_is_read_here():
-    free = planning._free_bytes(torch.device("cpu"))
+    free = calibration._free_bytes(torch.device("cpu"))
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert free is None or 0 < free <= total
 
@@ -405,7 +405,7 @@ def test_checks_on_cuda():
     assert torch.equal(torch.cuda.get_rng_state(), state)
     _, history = _fit(KINDS["lstm"], device="cuda", eval_data=[KINDS["lstm"].batch(8, seed=9)])
     assert math.isfinite(history.final_eval_loss)
-    free = planning._free_bytes(torch.device("cuda"))
+    free = calibration._free_bytes(torch.device("cuda"))
     assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
 
 

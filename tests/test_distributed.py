@@ -304,7 +304,7 @@ def test_setup_warns_where_torchrun_restarts_may_read_stale_addresses(monkeypatc
         monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", variable)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        distributed.parallel._warn_if_restarts_may_fail()
+        distributed.process_group._warn_if_restarts_may_fail()
     messages = [str(warning.message) for warning in caught]
     if advice is None:
         assert messages == []

@@ -85,7 +85,7 @@ CRASH = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"  # a compile
 def only_torch_and_torchvision(monkeypatch):
     """The import check reduced to torch and torchvision (seconds, not the lessons' whole list)."""
     checks = {label: checkup.IMPORT_CHECKS[label] for label in ("torch", "torchvision", "torchvision.ops.nms")}
-    monkeypatch.setattr(checkup, "IMPORT_CHECKS", checks)
+    monkeypatch.setattr(checkup.imports, "IMPORT_CHECKS", checks)  # where import_check reads it
 
 
 @pytest.mark.parametrize(
@@ -226,7 +226,7 @@ def _fake_pynvml() -> types.ModuleType:
 
 def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
-    monkeypatch.setattr(env, "_surveys", {})  # make detect() ask the fake NVML
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})  # make detect() ask the fake NVML
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
@@ -259,7 +259,7 @@ def test_collect_reads_nvml_without_touching_cuda(monkeypatch, forbid_cuda):
 def fake_nvml(monkeypatch, forbid_cuda):
     """The fake NVML's one A100 behind a driver for CUDA 12.2; detect() asks it afresh, no GPU variables set."""
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
-    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})
     monkeypatch.setattr(env, "_explained", set())  # detect() prints each problem once per process
     monkeypatch.setattr(env, "_mps_available", lambda: False)
     for name in ("GPUKIT_PROFILE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
@@ -429,7 +429,7 @@ def test_collect_reports_power_limit_persistence_ecc_and_the_datasheet(monkeypat
         NVML_VOLATILE_ECC=0,
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})
     (gpu,) = collect(check_imports=False).gpus
     assert (gpu.power_limit, gpu.power_limit_default, gpu.persistence_mode, gpu.ecc_errors) == (400.0, 500.0, False, 2)
     report = Report(gpus=[gpu], pid=os.getpid())
@@ -464,7 +464,7 @@ def test_a_report_without_a_load_average_warns_of_no_load():
 def test_nvidia_ml_py_is_suggested_only_where_an_nvidia_gpu_could_be(monkeypatch, tmp_path, present):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed: importing it fails
     signs = {"/proc/driver/nvidia": tmp_path / "proc_driver_nvidia", "/dev/nvidiactl": tmp_path / "dev_nvidiactl"}
-    monkeypatch.setattr(checkup, "NVIDIA_DRIVER_PATHS", tuple(map(str, signs.values())))
+    monkeypatch.setattr(checkup.nvml, "NVIDIA_DRIVER_PATHS", tuple(map(str, signs.values())))
     bin_folder = tmp_path / "bin"  # PATH holds only this folder: nvidia-smi is found only if put there
     bin_folder.mkdir()
     monkeypatch.setenv("PATH", str(bin_folder))
@@ -473,7 +473,7 @@ def test_nvidia_ml_py_is_suggested_only_where_an_nvidia_gpu_could_be(monkeypatch
         (bin_folder / "nvidia-smi").chmod(0o755)
     elif present is not None:
         signs[present].mkdir()
-    nvml = checkup._nvml_facts()["nvml"]
+    nvml = checkup.nvml._nvml_facts()["nvml"]
     if present is None:  # a laptop, a Mac, a CPU server: nothing to install
         assert "not installed" in nvml and "nvidia-ml-py" not in nvml and "no NVIDIA" in nvml, nvml
     else:

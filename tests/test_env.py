@@ -27,7 +27,7 @@ def forbid_cuda_init(monkeypatch):
         raise AssertionError("CUDA was initialised in the calling process")
 
     monkeypatch.setattr(torch.cuda, "_lazy_init", fail)
-    monkeypatch.setattr(env, "_surveys", {})  # make detect() ask NVML (or the child) again
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})  # make detect() ask NVML (or the child) again
 
 
 def test_detect_returns_a_profile():
@@ -103,7 +103,7 @@ def fake_pynvml(driver_cuda: int, names: tuple[str, ...]) -> types.ModuleType:
 def machine(monkeypatch, forbid_cuda_init):
     """A function that installs a fake NVML and sets what torch was built for; no MPS, no GPU variables set.
 
-    Asking a child process fails the test unless the test replaces `env._gpus_from_child_process`.
+    Asking a child process fails the test unless the test replaces `env.gpu_survey._gpus_from_child_process`.
     """
 
     def no_child():
@@ -113,7 +113,7 @@ def machine(monkeypatch, forbid_cuda_init):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(env, "_mps_available", lambda: False)
     monkeypatch.setattr(env, "_explained", set())  # detect() prints each problem once per process
-    monkeypatch.setattr(env, "_gpus_from_child_process", no_child)
+    monkeypatch.setattr(env.gpu_survey, "_gpus_from_child_process", no_child)
 
     def install(driver_cuda: int = 13000, built_for: str | None = "13.0", names: tuple[str, ...] = (H100,) * 3):
         monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(driver_cuda, names))
@@ -209,7 +209,7 @@ def test_detect_follows_a_change_of_cuda_visible_devices(machine, monkeypatch):
 
 def test_what_nvml_cannot_number_is_asked_of_a_child_process(machine, monkeypatch):
     from_child = [GPUInfo(0, "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10 * GiB, (8, 0))]
-    monkeypatch.setattr(env, "_gpus_from_child_process", lambda: from_child)
+    monkeypatch.setattr(env.gpu_survey, "_gpus_from_child_process", lambda: from_child)
     machine(names=(H100, "NVIDIA A100-SXM4-80GB"))  # unlike GPUs: by default CUDA puts the fastest first
     assert gpukit.detect().gpus == from_child
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # then CUDA numbers them as NVML does
@@ -218,7 +218,7 @@ def test_what_nvml_cannot_number_is_asked_of_a_child_process(machine, monkeypatc
     assert gpukit.detect().gpus == from_child
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     sys.modules["pynvml"].nvmlDeviceGetMigMode = lambda handle: [1, 1]  # [current, pending]: MIG is on
-    monkeypatch.setattr(env, "_surveys", {})
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})
     assert gpukit.detect().gpus == from_child
 
 

@@ -177,10 +177,10 @@ def test_a_gpu_without_fp8_tensor_cores_is_named(fake_cuda):
 
 
 def test_an_h100_without_torchao_says_what_to_install(fake_cuda, monkeypatch):
-    monkeypatch.setattr(fp8, "torchao_available", lambda: False)
+    monkeypatch.setattr(fp8.training, "torchao_available", lambda: False)  # where the checks read it
     with pytest.raises(ImportError, match=r"pip install 'gpukit\[fp8\]'"):
         fp8.training_config(True, "cuda")
-    assert fp8.supported("cuda") == (False, fp8._TORCHAO_MISSING)
+    assert fp8.supported("cuda") == (False, fp8.training._TORCHAO_MISSING)
     with pytest.raises(ImportError, match=r"gpukit\[fp8\]"):
         fp8.convert(tiny_gpt())
 

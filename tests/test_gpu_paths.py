@@ -22,13 +22,13 @@ import gpukit as gk
 from gpukit import bench, memory
 from gpukit import env as gk_env
 from gpukit.checkup import warnings
-from gpukit.data import CUDAPrefetcher, bottleneck, decoding, prefetch, timeline
+from gpukit.data import CUDAPrefetcher, bottleneck, decoding, loader_timing, prefetch, timeline
 from gpukit.data.formats import encode
-from gpukit.distributed import parallel
+from gpukit.distributed import process_group
 from gpukit.distributed.launcher import _check_backend_and_nprocs, _check_fork_is_safe
 from gpukit.env import GPUInfo, cuda_index
+from gpukit.hardware.calibration import _present_machine
 from gpukit.hardware.monitor import Monitor
-from gpukit.hardware.planning import _present_machine
 from gpukit.memory import allocator
 from gpukit.memory import plan as plan_module
 from gpukit.precision import get_precision, has_fast_kernels
@@ -585,14 +585,15 @@ def test_diagnose_on_cuda_turns_the_kernels_share_of_the_step_into_a_verdict(fak
     step's calls read a host share of 0.22 under load, where the fake's host is in its calls nearly all the time."""
     resident = [tuple(tensor.to("cuda") for tensor in _images(8))]  # batches already on the device: never input-bound
     profiled = []
-    monkeypatch.setattr(bottleneck, "time", types.SimpleNamespace(perf_counter=time.process_time, sleep=time.sleep))
     synchronize = bottleneck.synchronize
 
     def waiting(device):  # as a busy machine does: 0.2 s without a core, outside the step's calls (wall 0.22 read)
         time.sleep(0.2)
         synchronize(device)
 
-    monkeypatch.setattr(bottleneck, "synchronize", waiting)
+    for module in (bottleneck, loader_timing):  # diagnose times the step, and the loader alone, on this clock
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=time.process_time, sleep=time.sleep))
+        monkeypatch.setattr(module, "synchronize", waiting)
     monkeypatch.setattr(bottleneck, "kernel_seconds", _kernels_for(0.1, profiled))
     small = gk.data.diagnose(resident, _linear_model(), steps=8, warmup=1, device="cuda")
     assert profiled == [(bottleneck.PROFILED_STEPS, CUDA)]
@@ -750,10 +751,10 @@ def test_fork_is_refused_where_a_cuda_device_is_visible(fake_cuda):
 
 
 def test_setup_with_nccl_checks_local_rank_against_the_gpus(fake_cuda, monkeypatch):
-    assert parallel._cuda_available(in_job=False) and parallel._cuda_available(in_job=True)
+    assert process_group._cuda_available(in_job=False) and process_group._cuda_available(in_job=True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="LOCAL_RANK=1 needs GPU cuda:1, but this machine shows 1 GPU"):
-        parallel.setup("nccl")
+        process_group.setup("nccl")
     assert not torch.distributed.is_initialized()
 
 
@@ -776,7 +777,7 @@ def _cuda_layer() -> tuple:
         torch.Tensor.to,
         torch.Tensor.pin_memory,
         sys.modules.get("pynvml"),
-        gk_env._surveys,
+        gk_env.gpu_survey._surveys,
         allocator._watching,
         allocator._refused,
     )

@@ -13,7 +13,17 @@ import torch
 
 import gpukit as gk
 from gpukit.bench import Timing
-from gpukit.hardware import GPU, GPUS, Monitor, MonitorUnavailable, add_gpu, find_gpu, get_gpu, planning, reset_gpus
+from gpukit.hardware import (
+    GPU,
+    GPUS,
+    Monitor,
+    MonitorUnavailable,
+    add_gpu,
+    calibration,
+    find_gpu,
+    get_gpu,
+    reset_gpus,
+)
 from gpukit.hardware.contention import ContentionResult
 from gpukit.hardware.monitor import Segment, joules_to_co2_grams
 from gpukit.hardware.planning import calibration_sizes
@@ -198,9 +208,9 @@ def _measure_on_a_test_cpu(monkeypatch, model, batch, fixed: float, per_example:
     """plan's measurement here (MFU, source, check) with steps timed on a line (see _timed_on_a_line) against a
     peak of 2 TFLOP/s, and a count of 1 GFLOP per example: nothing is timed for real."""
     sample = sample_batch(model, batch)
-    monkeypatch.setattr(planning, "_present_machine", lambda device, precision, clock: ("a test CPU", 2.0))
-    monkeypatch.setattr(planning, "compare", _timed_on_a_line(fixed, per_example, sample.size, planned))
-    return planning._measure(model, sample, 1e9 * sample.size, "adamw", "bf16-mixed", "cpu", None, 9)
+    monkeypatch.setattr(calibration, "_present_machine", lambda device, precision, clock: ("a test CPU", 2.0))
+    monkeypatch.setattr(calibration, "compare", _timed_on_a_line(fixed, per_example, sample.size, planned))
+    return calibration._measure(model, sample, 1e9 * sample.size, "adamw", "bf16-mixed", "cpu", None, 9)
 
 
 @pytest.mark.parametrize("make", [_cnn_batch, _gpt_batch], ids=["cnn", "gpt"])
@@ -235,10 +245,10 @@ def test_prediction_noise_is_the_spread_of_the_error_it_explains():
         a, b = (large - size) / (large - small), (size - small) / (large - small)
         predicted = a * timings[small].median + b * timings[large].median
         errors.append(predicted / timings[size].median - 1)
-        noises.append(planning._prediction_noise(timings, small, large, size))
+        noises.append(calibration._prediction_noise(timings, small, large, size))
     assert 0.7 < statistics.stdev(errors) / statistics.median(noises) < 1.4, (statistics.stdev(errors), noises[:5])
     quiet = {b: Timing([0.01 + b * 0.002] * 9) for b in (small, large, size)}
-    assert planning._prediction_noise(quiet, small, large, size) == 0
+    assert calibration._prediction_noise(quiet, small, large, size) == 0
 
 
 def test_plan_of_a_step_that_does_not_grow_with_the_batch(monkeypatch):

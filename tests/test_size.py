@@ -5,8 +5,8 @@
 - The learner's core: following fit to optimizer.step crosses three files (gpukit/train/loop.py,
   gpukit/step/train_step.py, gpukit/precision.py), at most 700 lines in all, and the step's own definitions within them
   at most 300 lines.
-- No module of the core that a learner reads to follow a step, or its setup and lifecycle, over 400 lines; the modules
-  over 400 lines today are listed with their length, which may only shrink.
+- No module a learner reads over 400 lines: the modules over 400 lines today, all in the commands' wing, which no
+  learner module imports, are listed with their length, which may only shrink.
 """
 
 import ast
@@ -14,13 +14,18 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gpukit"
 
-BUDGET = {  # folder: (lines on 2026-11-29, the budget)
-    "gpukit": (4855, 5100),
+# folder: (lines on 2026-11-29, the budget). The modules split to at most 400 lines that day (issue 46) grew by their
+# new files' docstrings, imports and __all__: 483 lines in all, said per folder.
+BUDGET = {
+    "gpukit": (3167, 3330),  # the leaves and small modules; checkup, env and fp8 became packages
+    "gpukit/checkup": (786, 830),  # gk.doctor: checkup.py (709) split by topic
     "gpukit/commands": (3005, 3150),  # the shell's wing: gpu-check, its lease plans, the site, JupyterLab's hooks
-    "gpukit/data": (3037, 3200),
-    "gpukit/distributed": (2056, 2160),
-    "gpukit/hardware": (1385, 1450),
-    "gpukit/memory": (2797, 2940),
+    "gpukit/data": (3091, 3250),  # +54 for loader_timing.py (bottleneck.py split)
+    "gpukit/distributed": (2165, 2280),  # +109 for process_group, launch_worker, launch_watch
+    "gpukit/env": (627, 660),  # detection, profiles, the GPU survey: env.py (569) split
+    "gpukit/fp8": (450, 480),  # casts, FP8 training, speed: fp8.py (410) split
+    "gpukit/hardware": (1445, 1520),  # +60 for roofline.py and calibration.py
+    "gpukit/memory": (2882, 3030),  # +85 for measured_step, recomputation, blocks
     "gpukit/practice": (3310, 3480),  # the lessons' exercises: mostly their prompts, solutions and wrong answers
     "gpukit/step": (943, 1000),
     "gpukit/train": (3941, 4140),
@@ -55,21 +60,11 @@ LEARNERS_MODULES = [
     "train/saved_state.py",
     "optim.py",
 ]
-LONGER = {  # modules over 400 lines today: their length may only shrink
-    "checkup.py": 709,
+LONGER = {  # modules over 400 lines today, all the shell's: their length may only shrink
     "commands/gpucheck.py": 691,
     "commands/gpulease.py": 615,
-    "hardware/planning.py": 611,
-    "memory/activation_checkpointing.py": 572,
-    "env.py": 569,
-    "distributed/launcher.py": 538,
-    "commands/site.py": 498,
-    "distributed/parallel.py": 485,
     "commands/gpuledger.py": 485,
-    "memory/measuring.py": 474,
     "commands/cli.py": 446,
-    "data/bottleneck.py": 427,
-    "fp8.py": 410,
 }
 
 

@@ -138,8 +138,8 @@ def test_fit_on_the_cpu_starts_no_child_process(monkeypatch, tmp_path):
         raise AssertionError(f"fit started a child process: {args[:1]}")
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML binding: a survey would have to ask a child
-    monkeypatch.setattr(env, "_surveys", {})  # forget what an earlier detect() found
-    monkeypatch.setattr(env, "_no_nvidia_driver", lambda: False)  # as on a machine with a driver
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})  # forget what an earlier detect() found
+    monkeypatch.setattr(env.gpu_survey, "_no_nvidia_driver", lambda: False)  # as on a machine with a driver
     monkeypatch.setattr(subprocess, "run", no_child)
     monkeypatch.setattr(subprocess, "Popen", no_child)
     monkeypatch.setattr(os, "fork", no_child)
@@ -158,9 +158,9 @@ def test_without_nvml_or_an_nvidia_driver_detect_asks_no_child(monkeypatch):
         raise AssertionError("detect() asked a child process on a machine without an NVIDIA driver")
 
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr(env, "_surveys", {})
-    monkeypatch.setattr(env, "_no_nvidia_driver", lambda: True)
-    monkeypatch.setattr(env, "_gpus_from_child_process", no_child)
+    monkeypatch.setattr(env.gpu_survey, "_surveys", {})
+    monkeypatch.setattr(env.gpu_survey, "_no_nvidia_driver", lambda: True)
+    monkeypatch.setattr(env.gpu_survey, "_gpus_from_child_process", no_child)
     assert gk.detect().gpu_count == 0 and gk.resolve_device(None).type != "cuda"
 
 

@@ -183,7 +183,7 @@ def apple_silicon(monkeypatch, automatic_profile):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # an M1, M2 or M3: 8 cores
-    monkeypatch.setattr(gk.env, "_cuda_survey", lambda: gk.env._Survey([], ""))  # no NVIDIA GPU either
+    monkeypatch.setattr(gk.env, "_cuda_survey", lambda: gk.env.gpu_survey._Survey([], ""))  # no NVIDIA GPU either
     with _MpsOnTheCpu():
         yield reached
 
@@ -242,16 +242,16 @@ CUDA_BY_CONTRACT = {
     "data.prefetching._copy": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
     "data.prefetching.__iter__": "CUDAPrefetcher refuses a device that is not CUDA when it is made",
     "distributed.launcher.<module>": "BACKENDS: the names launch accepts",
-    "distributed.parallel.setup": "NCCL is the default only where gk.detect() (in a worker, torch) finds CUDA",
+    "distributed.process_group.setup": "NCCL is the default only where gk.detect() (in a worker, torch) finds CUDA",
     "distributed.scaling.benchmark_backend": "the backend of each device name",
     "env.detect": "'cuda' only where the survey found CUDA GPUs this torch can use",
     "env.cuda_index": "refuses a device that is not CUDA",
-    "fp8.compare_speed": "a default argument; training_config refuses before any work where no CUDA GPU is seen",
-    "fp8.supported": "asks CUDA only once _hardware_reason found a CUDA device that torch sees, with FP8 tensor cores",
+    "fp8.speed.compare_speed": "a default argument; training_config refuses before any work where no CUDA GPU is seen",
+    "fp8.training.supported": "asks CUDA only once _hardware_reason found a CUDA device that torch sees, with FP8 tensor cores",
     "commands.gpucheck.benchmark_command": "the GPU check runs on CUDA machines only (test_gpucheck: nothing starts without)",
     "hardware.monitor.__init__": "a default argument; for a CUDA device a Monitor asks NVML, never CUDA",
     "hardware.planning.plan": "plans for CUDA GPUs with fake tensors, as gk.memory.estimate(device='cuda')",
-    "hardware.planning._measure_here": "the name of CUDA's clock in a table",
+    "hardware.calibration._measure_here": "the name of CUDA's clock in a table",
     "memory.allocator._cuda_device": "the check that refuses a device that is not CUDA",
     "memory.allocator.limit_gpu_memory": "calls _cuda_device first",
     "memory.allocator.expandable_segments": "calls _cuda_device first",
@@ -271,7 +271,8 @@ def test_gpukit_reaches_cuda_only_behind_a_cuda_test_or_by_contract():
     package = Path(gk.__file__).parent
     found = {}
     for path in sorted(package.rglob("*.py")):
-        module = ".".join(path.relative_to(package).with_suffix("").parts)
+        parts = path.relative_to(package).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)  # a package's own code: its name
         for name, uses in cuda_guards.unguarded_in_functions(path.read_text()).items():
             found[f"{module}.{name}"] = uses
     assert found.keys() == CUDA_BY_CONTRACT.keys(), {

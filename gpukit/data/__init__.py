@@ -12,15 +12,17 @@ decoding.py  JPEG decoding with PIL, torchvision on the CPU or the GPU, augmenta
 prefetch.py  `prefetch()`: copy the next batch to the GPU on a side stream while the step runs
 timeline.py  `trace_steps()`: a torch.profiler trace of the pipeline, drawn by `plot_trace()`
 pagecache.py evict files from the page cache and measure how much of them it holds
-bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try; `sweep()` over DataLoader workers
+bottleneck.py `diagnose()`: input-bound or compute-bound, and what to try
+loader_timing.py  a loader timed alone; `sweep()` over DataLoader workers; `SlowDataset`
 """
 
 from ..deprecation import renamed
-from .bottleneck import Diagnosis, SlowDataset, diagnose, plot_sweep, sweep
+from .bottleneck import Diagnosis, diagnose
 from .decoding import decode_batch, decode_table
 from .folder import image_folder
 from .formats import ArrayImages, FileImages, read_throughput, write_array, write_files
 from .images import CIFAR10_CLASSES, CIFAR10_URL, SHAPE_CLASSES, DetectionDataset, ImageDataset, cifar10, shapes
+from .loader_timing import SlowDataset, plot_sweep, sweep
 from .loaders import DeviceLoader, collate_lists, dataloader, random_crop_flip, worker_crash
 from .prefetching import CUDAPrefetcher, prefetch
 from .shards import ShardError, ShardLoader, write_shards

@@ -13,7 +13,8 @@ CUDA graphs, torch.compile). `step_bound` decides from two measured shares of th
 function that tests feed with made-up measurements.
 
 `sweep(dataset, batch_size)` measures a DataLoader's batches per second over a grid of
-`num_workers` × `prefetch_factor`; `plot_sweep` draws it.
+`num_workers` × `prefetch_factor`; `plot_sweep` draws it. They, and the loader timed alone, are
+loader_timing.py's.
 """
 
 from __future__ import annotations
@@ -21,21 +22,44 @@ from __future__ import annotations
 import copy
 import os
 import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from ..env import resolve_device, synchronize
 from ..precision import Precision, get_precision
 from ..report import Table
-from ..step import Batch, Loss, TrainStep, split_batch, to_device
+from ..step import Batch, Loss, TrainStep
 from ..validation import check_int
+from .loader_timing import (
+    SlowDataset,
+    _cycle,
+    _on_device,
+    _time_loader,
+    check_workers,
+    loader_rate,
+    plot_sweep,
+    sweep,
+)
 from .prefetching import prefetch
 from .timeline import kernel_seconds
+
+__all__ = [
+    "LAUNCH_BOUND_HOST_SHARE",
+    "LAUNCH_BOUND_KERNEL_SHARE",
+    "PROFILED_STEPS",
+    "Diagnosis",
+    "SlowDataset",
+    "check_workers",
+    "diagnose",
+    "loader_rate",
+    "plot_sweep",
+    "step_bound",
+    "sweep",
+]
 
 # A step is launch-bound when kernels ran in less than half of its wall time (the GPU idled most of it) while the
 # host spent at least 80% of it inside the step's calls, launching them: the host sets the pace, not the GPU.
@@ -57,47 +81,6 @@ def step_bound(kernel_share: float, host_share: float) -> str:
             raise ValueError(f"{name} must be a share of the step's wall time, in [0, 1]; got {value!r}.")
     launch_bound = kernel_share < LAUNCH_BOUND_KERNEL_SHARE and host_share >= LAUNCH_BOUND_HOST_SHARE
     return "launch-bound" if launch_bound else "compute-bound"
-
-
-def check_workers(num_workers: int, prefetch_factor: int | None) -> None:
-    """Reject DataLoader worker settings that cannot work; warn about ones that oversubscribe the CPU."""
-    check_int("num_workers", num_workers, minimum=0, note="(0: load in the training process)")
-    if prefetch_factor is not None and num_workers == 0:
-        raise ValueError(
-            f"prefetch_factor={prefetch_factor} applies to worker processes (batches each worker loads ahead), but "
-            "num_workers=0; set num_workers >= 1 or leave prefetch_factor=None."
-        )
-    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
-        raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}.")
-    cores = os.cpu_count() or 1
-    if num_workers > cores:
-        warnings.warn(
-            f"num_workers={num_workers} is more than the {cores} CPU cores here: the workers and the training process "
-            f"compete for cores and loading gets slower, not faster; try num_workers <= {cores}.",
-            stacklevel=3,
-        )
-
-
-def _on_device(raw, device: torch.device) -> Batch:
-    return to_device(split_batch(raw), device)
-
-
-class SlowDataset(Dataset):
-    """`dataset` with a wait of `seconds` before each sample: storage latency (a network disk, a cold
-    cache) made visible on purpose. The wait uses no CPU, so worker processes overlap it even on a
-    machine whose cores are busy."""
-
-    def __init__(self, dataset: Dataset, seconds: float):
-        if seconds < 0:
-            raise ValueError(f"seconds must be >= 0, got {seconds!r}.")
-        self.dataset, self.seconds = dataset, seconds
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        time.sleep(self.seconds)
-        return self.dataset[index]
 
 
 @dataclass
@@ -309,119 +292,3 @@ def _time_step_alone(
     busy = kernel_seconds(lambda: train_step(batch), calls, device)
     kernel_share = None if busy is None else min(1.0, (busy / calls) / (elapsed / steps))
     return steps / elapsed, kernel_share, None if busy is None else min(1.0, launching / elapsed)
-
-
-def _cycle(loader: Iterable, count: int) -> Iterator:
-    """`count` raw batches, starting the loader again when it runs out (a short loader is read several times)."""
-    produced = 0
-    while produced < count:
-        empty = True
-        for raw in loader:
-            empty = False
-            yield raw
-            produced += 1
-            if produced == count:
-                return
-        if empty:
-            raise ValueError(
-                f"the loader (a {type(loader).__name__}) yielded no batch{' on a second pass' if produced else ''}: "
-                "check that its dataset is not empty and that batch_size with drop_last leaves a batch, and pass a "
-                "re-iterable (a list, a Dataset's loader), not a used-up generator."
-            )
-
-
-def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int) -> tuple[float, Batch, bool]:
-    """(seconds for `steps` batches after `warmup` ones, the first batch on the device, whether the loader
-    yields batches in host memory)."""
-    first, on_host, started = None, False, time.perf_counter()
-    for index, raw in enumerate(_cycle(loader, warmup + steps)):
-        if index == warmup:
-            synchronize(device)
-            started = time.perf_counter()
-        if first is None:
-            on_host = any(not tensor.is_cuda for tensor in split_batch(raw).tensors())
-        batch = _on_device(raw, device)
-        first = batch if first is None else first
-    synchronize(device)
-    return time.perf_counter() - started, first, on_host
-
-
-# ---------------------------------------------------------------------------------------------
-# Sweep over DataLoader settings
-
-
-def loader_rate(loader: Iterable, batches: int, device: str | torch.device = "cpu", warmup: int = 1) -> float:
-    """Batches per second a loader delivers to `device`, after `warmup` batches (worker start-up excluded)."""
-    device = resolve_device(device)
-    seconds, _, _ = _time_loader(loader, device, warmup, batches)
-    return batches / seconds
-
-
-def sweep(
-    dataset: Dataset,
-    batch_size: int,
-    *,
-    num_workers: Sequence[int] = (0, 1, 2),
-    prefetch_factor: Sequence[int] = (2, 4),
-    batches: int = 10,
-    device: str | torch.device = "cpu",
-    **loader_options,
-) -> Table:
-    """Batches and samples per second of a DataLoader over `num_workers` × `prefetch_factor`.
-
-    With 0 workers prefetch_factor does not apply: one row, prefetch_factor None. Workers are
-    persistent and the first batch (their start-up) is not timed. `loader_options` go to DataLoader.
-    """
-    for workers in num_workers:
-        check_workers(workers, None)
-    rows = []
-    for workers in num_workers:
-        for factor in (None,) if workers == 0 else prefetch_factor:
-            check_workers(workers, factor)
-            loader = DataLoader(
-                dataset,
-                batch_size=batch_size,
-                num_workers=workers,
-                prefetch_factor=factor,
-                persistent_workers=workers > 0,
-                **loader_options,
-            )
-            rate = loader_rate(loader, batches, device)
-            rows.append(
-                {
-                    "num_workers": workers,
-                    "prefetch_factor": factor,
-                    "batches_per_second": rate,
-                    "samples_per_second": rate * batch_size,
-                }
-            )
-            del loader  # ends its workers before the next setting starts its own
-    return Table(rows, title=f"DataLoader throughput, batch size {batch_size}")
-
-
-def plot_sweep(table: Table, title: str = "DataLoader throughput"):
-    """samples/s against num_workers, one line per prefetch_factor."""
-    from ..figures import subplots
-
-    figure, axes = subplots(figsize=(5, 3.5))
-    rows = table.rows
-    factors = sorted({row["prefetch_factor"] for row in rows if row["prefetch_factor"] is not None})
-    baseline = [row for row in rows if row["prefetch_factor"] is None]
-    for factor in factors:
-        line = baseline + [row for row in rows if row["prefetch_factor"] == factor]
-        axes.plot(
-            [row["num_workers"] for row in line],
-            [row["samples_per_second"] for row in line],
-            marker="o",
-            label=f"prefetch_factor={factor}",
-        )
-    if not factors:
-        axes.plot([row["num_workers"] for row in rows], [row["samples_per_second"] for row in rows], marker="o")
-    axes.set_xlabel("num_workers")
-    axes.set_ylabel("samples / s")
-    axes.set_title(title)
-    axes.set_ylim(bottom=0)
-    if factors:
-        axes.legend()
-    figure.tight_layout()
-    return figure

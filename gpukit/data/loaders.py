@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from .. import env
 from ..env import resolve_device
 from ..validation import check_seed
-from .bottleneck import check_workers
 from .images import ImageDataset
+from .loader_timing import check_workers
 from .tokens import TextLoader, TokenDataset
 
 

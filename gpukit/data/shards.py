@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .. import env
 from ..files import write_atomic
 from ..validation import check_int, check_seed
-from .bottleneck import check_workers
 from .formats import INDEX, _check_dataset, _fresh_folder, _metadata, _publish, decode, encode, read_index
 from .images import ImageDataset
+from .loader_timing import check_workers
 
 
 def _webdataset():

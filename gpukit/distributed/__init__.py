@@ -1,8 +1,10 @@
 """Training on several processes: launch from a notebook, setup inside a worker, data
 parallelism (DDP), sharded data, collectives, FSDP2, a two-stage pipeline, and what scaling costs.
 
-launch.py      `launch(fn, nprocs)`: run a function in several processes, notebook-safe
-parallel.py    setup/cleanup, DDP and FSDP2, sharded loaders, collectives for metrics
+launcher.py    `launch(fn, nprocs)`: run a function in several processes, notebook-safe; inside each
+               worker: launch_worker.py; the parent watching them: launch_watch.py
+process_group.py  setup/cleanup inside a worker, rank and world size, collectives for metrics
+parallel.py    DDP and FSDP2, sharded loaders
 pipeline.py    a model split over two ranks, micro-batches flowing between them
 scaling.py     measured: all-reduce bandwidth, throughput by workers, DDP variants
 zero.py        optimizer state sharded over ranks: ZeRO-1 with DDP, against DDP and FSDP2

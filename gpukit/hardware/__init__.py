@@ -5,6 +5,8 @@ gpus.py        one table of NVIDIA GPUs from their datasheets (memory, bandwidth
 clocks.py      NVML's clock-event reasons in words (why a GPU runs below its maximum clocks).
 planning.py    plan(): what fits each GPU, the largest batch, step time from a roofline, time and
                cost of a run, the Pareto frontier; checked against a measured run here.
+roofline.py    a step's time on each GPU (FLOPs, bytes moved, kernel launches) and the plan's rows.
+calibration.py the MFU measured on the machine present, and the plan's check against it.
 monitor.py     Monitor: a background NVML sampler (utilisation, memory, power, temperature, clocks,
                throttle reasons) and energy per epoch; CO₂ from a grid intensity you set.
 contention.py  measure_contention(): two training processes sharing one device against one alone.

@@ -5,7 +5,8 @@ cublas_workspace_bytes()  one cuBLAS(Lt) workspace: taken from the caching alloc
 allocate_cublas_workspaces() has cuBLAS take them now (this thread's and autograd's), before a measurement.
 allocator_slack_for()     the most the CUDA caching allocator counts beyond live tensors of given sizes (counting.py).
 breakdown()        one training step measured: parameters, gradients, optimizer state, saved
-                   activations, the rest, the peak (measuring.py).
+                   activations, the rest, the peak (measuring.py); the step itself, as fit runs it, with
+                   a mark at each phase, and the checks of the model and batch given (measured_step.py).
 estimate()         the same fields predicted with fake tensors: nothing runs on the device (prediction.py);
                    fused kernels' workspaces that fake tensors miss, such as oneDNN's LSTM (fused_workspaces.py).
 saved_bytes()      the bytes autograd saves in one real forward pass and loss, counted with PyTorch's own
@@ -20,7 +21,8 @@ The CUDA allocator: out-of-memory help, free_memory, limit_gpu_memory, expandabl
 record_snapshot (allocator.py).
 apply_activation_checkpointing(): recompute each block's activations in backward instead of keeping
 them, all of them (policy="full") or all but the matmul and attention outputs (policy="selective")
-(activation_checkpointing.py). "Checkpoint" alone, in gpukit, means saved training state.
+(activation_checkpointing.py; a model's blocks: blocks.py; a region recomputed in backward: recomputation.py).
+"Checkpoint" alone, in gpukit, means saved training state.
 OffloadActivations, offload_cost(): saved activations kept in host memory, and the PCIe traffic that
 costs (offload.py).
 

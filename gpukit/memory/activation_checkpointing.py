@@ -41,195 +41,38 @@ inside a region run again during the recomputation.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..deprecation import renamed
 from ..report import format_bytes
+
+# What a block is (blocks.py), and the regions made of them, recomputed in backward (recomputation.py).
+from .blocks import _group_blocks, _has_parameters, _named_modules, find_blocks, sequential_layers
 from .measuring import breakdown
+from .recomputation import SAVED_OPERATORS, _Region, _Sequence, selective_contexts, selective_policy
+
+__all__ = [
+    "POLICIES",
+    "SAVED_OPERATORS",
+    "ActivationCheckpointingPlan",
+    "apply_activation_checkpointing",
+    "check_policy",
+    "find_blocks",
+    "has_activation_checkpointing",
+    "remove_activation_checkpointing",
+    "selective_contexts",
+    "selective_policy",
+    "sequential_layers",
+]
 
 _PLAN = "_gpukit_checkpointing"  # the attribute that holds a model's ActivationCheckpointingPlan
 POLICIES = ("full", "selective")
-# What policy="selective" keeps: the outputs of operators whose recomputation costs FLOPs (matrix products,
-# convolutions, attention kernels of every backend, FP8 matmuls); everything else is recomputed in backward.
-SAVED_OPERATORS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "convolution",
-    "_scaled_mm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
-
-
-def _saved_overloads() -> frozenset:
-    """The operator overloads of SAVED_OPERATORS that this torch has."""
-    packets = (getattr(torch.ops.aten, name, None) for name in SAVED_OPERATORS)
-    return frozenset(getattr(packet, overload) for packet in packets if packet is not None for overload in packet)
-
-
-def selective_policy(context, operator, *args, **kwargs) -> CheckpointPolicy:
-    """policy="selective": keep the outputs of SAVED_OPERATORS, recompute the rest (a policy_fn for
-    torch.utils.checkpoint.create_selective_checkpoint_contexts)."""
-    return CheckpointPolicy.MUST_SAVE if operator in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVED = _saved_overloads()
-# torch 2.14 and later: what a selective region keeps goes through the saved-tensor hooks around it, as every other
-# saved tensor does (save_on_cpu offloads it, gk.memory.breakdown counts it as saved activations); earlier
-# versions keep it aside from the hooks.
-_THROUGH_HOOKS = (
-    {"respect_saved_tensors_hooks": True}
-    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
-    else {}
-)
-
-
-def _buffers(modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """(owner, name, buffer) for every buffer in `modules`."""
-    return [
-        (owner, name, buffer)
-        for module in modules
-        for owner in module.modules()
-        for name, buffer in owner._buffers.items()
-        if buffer is not None
-    ]
-
-
-class _BuffersOfOneCall:
-    """One call of a region: its buffers as they were before the forward, for the recomputation.
-
-    Without checkpointing a region's forward runs once per step; with it, again in backward. The
-    recomputation runs on copies of the buffers as they were before the forward (so it computes what
-    the forward computed, even where the output depends on a buffer it updates), and the buffers the
-    forward left are put back after it (so an EMA, a counter or BatchNorm's statistics are updated once
-    per step). All buffers are copied: a write is not always visible (BatchNorm's kernel does not bump
-    the version counter) and comparing values would wait for the GPU. The copies (BatchNorm's: a few
-    kB per block) live until backward.
-    """
-
-    def __init__(self, region: _Region):
-        self.region = region
-        self.before: list[tuple[nn.Module, str, torch.Tensor]] = []
-
-    @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
-        copies: dict[int, torch.Tensor] = {}  # id(buffer) -> its copy: tied buffers stay tied
-        self.before = [
-            (owner, name, copies.setdefault(id(buffer), buffer.detach().clone()))
-            for owner, name, buffer in _buffers(self.region.modules)
-        ]
-        yield
-
-    @contextlib.contextmanager
-    def recomputation(self) -> Iterator[None]:
-        after = _buffers(self.region.modules)
-        copies: dict[int, torch.Tensor] = {}  # copies again: a second backward (retain_graph) recomputes too
-        for owner, name, before in self.before:
-            owner._buffers[name] = copies.setdefault(id(before), before.clone())
-        try:
-            yield
-        finally:
-            for owner, name, buffer in after:
-                owner._buffers[name] = buffer
-
-
-class _Region:
-    """Modules checkpointed together: they run in order, and are recomputed in backward.
-
-    A region of one module replaces that module's forward; `previous` is the forward it
-    had (None: its class's). A region of several runs them through their own __call__.
-    """
-
-    def __init__(self, names: list[str], modules: list[nn.Module], previous=None, policy: str = "full"):
-        self.names = names
-        self.modules = modules
-        self.previous = previous
-        self.policy = policy
-
-    def run(self, *args, **kwargs):
-        if len(self.modules) == 1:
-            module = self.modules[0]
-            forward = self.previous if self.previous is not None else type(module).forward.__get__(module)
-            return forward(*args, **kwargs)
-        (output,) = args
-        for module in self.modules:
-            output = module(output)
-        return output
-
-    def _needs_gradients(self, args, kwargs) -> bool:
-        """Whether backward goes through this call: decided per call, since inputs and freezing vary."""
-        if any(parameter.requires_grad for module in self.modules for parameter in module.parameters()):
-            return True
-        return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves((args, kwargs)))
-
-    def _contexts(self):
-        """A region with buffers: the contexts that restore them around the recomputation (and SAC's)."""
-        buffers = _BuffersOfOneCall(self)
-        if self.policy == "full":
-            return buffers.forward(), buffers.recomputation()
-        keep, recompute = selective_contexts()
-        if _THROUGH_HOOKS:  # checkpoint's argument reaches a bare SAC context only, not one combined with ours
-            keep.respect_saved_tensors_hooks = True
-        return _together(buffers.forward(), keep), _together(buffers.recomputation(), recompute)
-
-    def __call__(self, *args, **kwargs):
-        # Evaluation, or a frozen region on inputs without gradients: nothing is saved, nothing to recompute
-        # (checkpoint would only keep the inputs).
-        if not torch.is_grad_enabled() or not self._needs_gradients(args, kwargs):
-            return self.run(*args, **kwargs)
-        options = _THROUGH_HOOKS if self.policy == "selective" else {}
-        if _buffers(self.modules):
-            options |= {"context_fn": self._contexts}
-        elif self.policy == "selective":  # a plain function: torch.compile traces it (it loses a method's self)
-            options |= {"context_fn": selective_contexts}
-        return checkpoint(self.run, *args, use_reentrant=False, **options, **kwargs)
-
-
-def selective_contexts():
-    """policy="selective"'s contexts for torch.utils.checkpoint.checkpoint(context_fn=...)."""
-    return create_selective_checkpoint_contexts(selective_policy)
-
-
-@contextlib.contextmanager
-def _together(first, second) -> Iterator[None]:
-    with first, second:
-        yield
-
-
-class _Sequence:
-    """The forward of an nn.Sequential whose consecutive children form regions."""
-
-    def __init__(self, container: nn.Sequential, starts: dict[int, _Region]):
-        self.container = container
-        self.starts = starts  # index of a region's first child -> region
-
-    def __call__(self, input):
-        children = list(self.container)
-        index = 0
-        while index < len(children):
-            region = self.starts.get(index)
-            if region is not None:
-                input = region(input)
-                index += len(region.modules)
-            else:
-                input = children[index](input)
-                index += 1
-        return input
 
 
 @dataclass
@@ -262,90 +105,6 @@ class ActivationCheckpointingPlan:
                 f"{format_bytes(self.peak_after)} with"
             )
         return "\n".join([text, *self.notes])
-
-
-def _has_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
-    """(name, block, parent) for each block: children of the outermost Sequential/ModuleList
-    containers that have parameters and submodules of their own, in order."""
-    blocks = []
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        container = isinstance(module, (nn.Sequential, nn.ModuleList))
-        for name, child in module.named_children():
-            full = f"{prefix}.{name}" if prefix else name
-            if not container:
-                visit(child, full)
-            elif _has_parameters(child) and any(True for _ in child.children()):
-                blocks.append((full, child, module))
-
-    visit(model, "")
-    return blocks
-
-
-def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
-    """(name, layer, parent) for each child of the model's outermost nn.Sequential (of two children or
-    more, run by nn.Sequential's own forward): the layers of an MLP, which has no blocks."""
-    for name, module in model.named_modules():
-        if _runs_children_in_order(module) and len(module) >= 2:
-            return [(f"{name}.{child}" if name else child, layer, module) for child, layer in module.named_children()]
-    return []
-
-
-def _runs_children_in_order(parent: nn.Module) -> bool:
-    """True for an nn.Sequential that uses nn.Sequential's forward (so its children can be grouped)."""
-    return isinstance(parent, nn.Sequential) and type(parent).forward is nn.Sequential.forward
-
-
-def _group_blocks(blocks, size: int, notes: list[str]) -> list[list[tuple[str, nn.Module, nn.Module]]]:
-    """Runs of up to `size` consecutive blocks of one parent; one block per run where the parent
-    has its own forward (it may do more than call its children in order)."""
-    groups, fallback = [], set()
-    for name, block, parent in blocks:
-        last = groups[-1] if groups else None
-        if last is not None and last[-1][2] is parent and len(last) < size and _runs_children_in_order(parent):
-            position = list(parent).index(block)
-            if list(parent).index(last[-1][1]) == position - 1:
-                last.append((name, block, parent))
-                continue
-        if size > 1 and not _runs_children_in_order(parent):
-            fallback.add(type(parent).__name__)
-        groups.append([(name, block, parent)])
-    for parent_name in sorted(fallback):
-        notes.append(
-            f"{parent_name} runs its blocks in its own forward(), so they cannot be grouped: each of its blocks "
-            "is a region of its own (more saved inputs, the same recomputation)."
-        )
-    return groups
-
-
-def _named_modules(model: nn.Module, modules: Sequence[str | type]) -> list[tuple[str, nn.Module, nn.Module | None]]:
-    named = dict(model.named_modules())
-    chosen = []
-    for item in modules:
-        if isinstance(item, type):
-            found = [(name, module) for name, module in named.items() if isinstance(module, item) and name]
-            if not found:
-                raise ValueError(f"the model has no {item.__name__} module; pass names from model.named_modules().")
-            chosen += found
-        elif item in named and item:
-            chosen.append((item, named[item]))
-        else:
-            examples = ", ".join(repr(name) for name, *_ in find_blocks(model)[:6]) or ", ".join(
-                repr(n) for n in list(named)[1:7]
-            )
-            raise ValueError(
-                f"the model has no module named {item!r}; pass names from model.named_modules(), such as {examples}."
-            )
-    names = [name for name, _ in chosen]
-    for name in names:
-        inner = [other for other in names if other.startswith(name + ".")]
-        if inner:
-            raise ValueError(f"{inner[0]!r} lies inside {name!r}: checkpoint one or the other, not both.")
-    return [(name, module, None) for name, module in dict(chosen).items()]
 
 
 def apply_activation_checkpointing(

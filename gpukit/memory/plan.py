@@ -15,7 +15,8 @@ from ..step import Batch
 from ..validation import check_int
 from .allocator import free_memory
 from .counting import keeps_generators
-from .measuring import breakdown, check_model, sample_batch
+from .measured_step import check_model, sample_batch
+from .measuring import breakdown
 from .parts import MemoryBreakdown
 from .prediction import precision_name, predict, target_device
 

@@ -15,7 +15,8 @@ from ..step import Batch, Loss, TrainStep, training_mode
 from ..validation import is_int
 from .counting import CUDA_BLOCK, LiveTensors, keeps_generators
 from .fused_workspaces import FusedWorkspaces
-from .measuring import CannotSimulateError, MeasuredStep, build_optimizer, check_model, measured_instead, sample_batch
+from .measured_step import CannotSimulateError, MeasuredStep, build_optimizer, check_model, sample_batch
+from .measuring import measured_instead
 from .parts import MemoryBreakdown
 
 

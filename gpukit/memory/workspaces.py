@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from .counting import keeps_generators
-from .measuring import check_model, compact, sample_batch
+from .measured_step import check_model, compact, sample_batch
 
 
 class OperatorScratch(TorchDispatchMode):

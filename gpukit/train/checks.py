@@ -189,7 +189,7 @@ def check_eval_data(
                 f"each of the {epochs} epochs; pass a list, a Dataset or a DataLoader."
             )
         return
-    with _random_state_kept(device):  # a shuffled loader or a sampling model draws: training must not see it
+    with _random_state_kept(device), buffers_kept(model):  # draws (a shuffled loader, a sampling model), observers
         batch = _first_eval_batch(eval_data, device, channels_last)
         _evaluate_one(model, batch, device, precision, loss_fn, metrics)
 
@@ -283,7 +283,7 @@ def check_first_batch(model: nn.Module, batch: Batch, precision: Precision, devi
     if not mismatch:
         return
     try:
-        with _random_state_kept(device), torch.no_grad(), training_mode(model, False):
+        with _random_state_kept(device), buffers_kept(model), torch.no_grad(), training_mode(model, False):
             with precision.autocast():
                 batch.call(model)
     except torch.OutOfMemoryError:
@@ -348,6 +348,33 @@ def describe(batch: Batch) -> str:
     inputs = [shown(t) for t in batch.args] + [f"{key}={shown(t)}" for key, t in batch.kwargs.items()]
     target = f", target {shown(batch.target)}" if batch.target is not None and "labels" not in batch.kwargs else ""
     return f"input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)}{target}"
+
+
+def kept_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of the model with a copy of its value, for `put_back`: what a forward moves that a check, or a
+    refused first batch, must not leave behind (BatchNorm's statistics in training; a fake-quant observer's ranges,
+    which move in eval mode too). A lazy module's buffers, not yet made, have nothing to keep."""
+    return [(buffer, buffer.detach().clone()) for buffer in model.buffers() if not nn.parameter.is_lazy(buffer)]
+
+
+def put_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The buffers as `kept_buffers` copied them, exactly: also one that a forward resized (QAT's observers grow from
+    shape (0,) to one value per channel at their first forward), back to its shape."""
+    with torch.no_grad():
+        for buffer, value in kept:
+            if buffer.shape != value.shape:
+                buffer.resize_(value.shape)
+            buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module):
+    """The model's buffers put back as they were when the block ends, however it ends."""
+    kept = kept_buffers(model)
+    try:
+        yield
+    finally:
+        put_back(kept)
 
 
 def _random_state_kept(device: torch.device):

@@ -32,7 +32,7 @@ from .. import distributed
 from ..precision import Precision
 from ..step import Batch, BatchError, loss_parts
 from .batch_checks import failed_batch_cause, warn_if_scalars_ignored
-from .checks import describe, explained_model_failure
+from .checks import describe, explained_model_failure, kept_buffers, put_back
 from .data import batch_on_device, exact_device
 from .evaluation import evaluate
 from .history import History
@@ -186,7 +186,7 @@ def _train_on(run: Run, batch: Batch, number: int, epoch: int, last: bool, tally
     that batch's number, any other gets the number as a note. Nothing here reads the device. A first batch refused
     leaves the model's buffers (BatchNorm's statistics, which its forward moved) as they were: a refused call
     changes nothing of the model."""
-    kept = None if run.seen_a_batch else [(buffer, buffer.clone()) for buffer in run.model.buffers()]
+    kept = None if run.seen_a_batch else kept_buffers(run.model)
     try:
         if batch.size == 0:  # known on the host, from the shape: no kernel
             raise BatchError(
@@ -199,9 +199,7 @@ def _train_on(run: Run, batch: Batch, number: int, epoch: int, last: bool, tally
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
-        with torch.no_grad():
-            for buffer, value in kept or ():
-                buffer.copy_(value)
+        put_back(kept or ())
         cause = failed_batch_cause(error, run.model, batch)
         if cause is None:
             error.add_note(f"It failed on batch {number} of epoch {epoch + 1}: {describe(batch)}.")

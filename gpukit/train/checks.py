@@ -209,8 +209,8 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
         try:
             loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
             with precision.autocast():
-                value = loss.of_evaluation(outputs, batch.target)
-            Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs)  # no tokens read here
+                value, parts = loss.of_evaluation(outputs, batch.target)
+            Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs, parts)  # no tokens read
         except torch.OutOfMemoryError:
             raise
         except Exception as error:

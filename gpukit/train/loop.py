@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import distributed
 from ..precision import Precision
-from ..step import Batch, BatchError, loss_parts
+from ..step import Batch, BatchError
 from .batch_checks import failed_batch_cause, warn_if_scalars_ignored
 from .checks import describe, explained_model_failure, kept_buffers, put_back
 from .data import batch_on_device, exact_device
@@ -212,16 +212,16 @@ def _micro_step(run: Run, batch: Batch, last: bool, tally: Tally, window: LogWin
     run.phase = "forward"
     explain = None if run.seen_outputs else explained_model_failure(run.model, batch)  # the first batch's call
     with distributed.no_sync(run.parallel, not last):
-        loss, outputs, _ = run.step.forward(batch, explain)
+        loss, outputs, parts = run.step.forward(batch, explain)
         run.phase = "backward"
         run.step.backward(loss)
     if not run.seen_outputs:
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
     loss = loss.detach()  # once for both: each keeps it until its sums are added
-    tokens = tally.add(batch, loss, outputs)
+    tokens = tally.add(batch, loss, outputs, parts)
     run.shifted_labels = tally.shifted_labels  # decided at the first sequence batch: kept for the whole run
-    window.add(batch, loss, {} if type(outputs) is torch.Tensor else loss_parts(outputs), tokens)
+    window.add(batch, loss, parts, tokens)
     run.phase = "loading data"
 
 

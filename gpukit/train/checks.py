@@ -71,8 +71,9 @@ def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -
             "checkpoint_dir does not support FSDP2-sharded models; save those with torch.distributed.checkpoint."
         )
     check_trainable(model)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        check_optimizer_parameters(model, optimizer)
+    for each in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:  # (a list: one each)
+        if isinstance(each, torch.optim.Optimizer):
+            check_optimizer_parameters(model, each)
     if distributed.is_main():  # the one rank that writes checkpoints
         check_checkpoint_dir(checkpoint_dir)
         check_room_for_saves(model, checkpoint_dir)

@@ -55,7 +55,7 @@ def fit(
     batch_size: int | None = None,
     accumulate: int = 1,
     # How it learns: the optimizer, its learning rate (the peak) and schedule, the loss
-    optimizer: str | torch.optim.Optimizer | Callable = "nesterov",
+    optimizer: str | torch.optim.Optimizer | list[torch.optim.Optimizer] | Callable = "nesterov",
     lr: float | None = None,
     weight_decay: float = 5e-4,
     schedule: str = "onecycle",
@@ -90,9 +90,12 @@ def fit(
         but not one of a single sample, which BatchNorm cannot train on); accumulate=k sums the gradients of k
         micro-batches before each optimizer step: one k-times larger batch for models without BatchNorm.
     optimizer, lr, weight_decay: a name from gpukit.optim.OPTIMIZERS ("nesterov": SGD with Nesterov momentum 0.9;
-        "adamw", "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer or a function of the
+        "adamw", "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer, a list of them (each for its
+        own parameters: SparseAdam for nn.Embedding(sparse=True) tables beside Adam) or a function of the
         parameters; lr is the schedule's peak (default per name: gpukit.optim.DEFAULT_LRS), and an optimizer you
-        built keeps its own lrs unless you pass one; weight_decay applies to optimizers built by name.
+        built keeps its own lrs unless you pass one; weight_decay applies to optimizers built by name. What must
+        follow each optimizer step (an EMA teacher's update) is torch's optimizer.register_step_post_hook(fn); keep
+        the teacher in the model, which fit saves and resumes.
     schedule, warmup, warmup_steps: "onecycle", "linear" or "constant", counted in optimizer steps; the lr warms up
         over a fraction `warmup` of the steps, or over `warmup_steps` steps (data without len() has only steps).
     clip: a bound on the gradients' global norm, or None.

@@ -68,8 +68,8 @@ def dense_parts(tensor) -> tuple:
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (a sparse tensor's: its indices' and values')."""
     sizes = {}
-    for tensor in (part for tensor in tensors for part in dense_parts(tensor)):
-        storage = storage_of(tensor)
+    for part in (part for tensor in tensors for part in dense_parts(tensor)):
+        storage = storage_of(part)
         if storage is not None:
             sizes[storage._cdata] = storage.nbytes()
     return sum(sizes.values())

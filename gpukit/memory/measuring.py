@@ -33,8 +33,8 @@ from .counting import (
     CUDA_BLOCK,
     CUDA_UNSPLIT,
     LiveTensors,
-    dense_parts,
     SavedTensors,
+    dense_parts,
     keeps_generators,
     optimizer_tensors,
     storage_bytes,
@@ -244,7 +244,9 @@ class MeasuredStep:
         gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
         grads = storage_bytes(gradients)
         if tracker is not None:
-            self.gradient_serials = {tracker.serial_of(part) for gradient in gradients for part in dense_parts(gradient)}
+            self.gradient_serials = {
+                tracker.serial_of(part) for gradient in gradients for part in dense_parts(gradient)
+            }
         del gradients  # zero_grad(set_to_none=True) must free them, as in fit
         mark("optimizer step")
         self.step.step()

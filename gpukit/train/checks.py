@@ -56,6 +56,11 @@ class NonFiniteInputError(NonFiniteLossError, ValueError):
     """The loss became NaN or infinite and the batch holds NaN or inf: a problem in the data, not the lr."""
 
 
+class FirstCallError(ValueError):
+    """The model failed on the training data's first batch: how the batch was called, and the model's error as the
+    cause (which the batch's data may explain: gpukit.train.batch_checks)."""
+
+
 def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -> None:
     """What fit checks before it builds anything, besides the numbers loop.py checks."""
     if seed is None:
@@ -231,7 +236,7 @@ def explained_model_failure(model: nn.Module, batch: Batch):
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
-        raise ValueError(model_failure(model, batch, error, "the training data")) from error
+        raise FirstCallError(model_failure(model, batch, error, "the training data")) from error
 
 
 def model_failure(model: nn.Module, batch: Batch, error: Exception, source: str) -> str:

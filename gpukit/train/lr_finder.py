@@ -177,7 +177,8 @@ def lr_find(
 
 
 def _copy(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)  # (a module's extra state)
+    """A tensor's copy, or a deep copy of a module's extra state (anything get_extra_state returns)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _put_back(model: nn.Module, saved: dict) -> None:

@@ -14,9 +14,8 @@ Names (`make_optimizer`):
     "lars"       LARS (layer-wise adaptive SGD with momentum 0.9, You et al. 2017), from timm
     "muon"       torch.optim.Muon (torch >= 2.9) for the hidden weight matrices, AdamW for the rest
 
-Several optimizers, each for its own parameters, as one (`Combined`): make_optimizer([SparseAdam(...), Adam(...)]),
-fit(optimizer=[...]). An nn.Embedding(sparse=True) has sparse gradients, which only SparseAdam, and SGD and Adagrad
-without weight decay, can apply: any other optimizer of them is refused when built (`check_sparse_gradients`).
+A list of optimizers, each for its own parameters, is one `Combined` (SparseAdam for nn.Embedding(sparse=True)
+tables beside Adam: gpukit.sparse_gradients, whose check refuses an optimizer that cannot apply sparse gradients).
 
 No decay on biases and norm parameters: for "adamw", "lamb", "lars" and "muon" every parameter
 with one dimension (biases, BatchNorm/LayerNorm scales and shifts) goes to a group with
@@ -34,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .sparse_gradients import Combined, check_sparse_gradients
 from .validation import check_number
 
 __all__ = [
@@ -96,7 +96,7 @@ def _check_name(name: str) -> None:
             "optimizer='sgd' has meant SGD with Nesterov momentum 0.9; say optimizer='nesterov' (the same) "
             "or 'momentum'. In the next release 'sgd' will be plain SGD without momentum.",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=5,  # (the caller of make_optimizer's caller, through _built)
         )
     if name not in OPTIMIZERS:
         raise ValueError(
@@ -175,97 +175,6 @@ def _built(optimizer, parameters, lr: float, weight_decay: float, no_decay_1d: b
     model_parameters = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
     optimizer_class, options = optimizer_class_and_options(optimizer)
     return optimizer_class(decay_groups(model_parameters, weight_decay, no_decay), lr=lr, **options)
-
-
-SPARSE_READY = (torch.optim.SparseAdam, torch.optim.SGD, torch.optim.Adagrad)  # SGD, Adagrad: without weight decay
-
-
-def sparse_tables(model: nn.Module) -> dict[int, str]:
-    """{id(weight): name} of the model's nn.Embedding(sparse=True) and EmbeddingBag(sparse=True) tables that train."""
-    return {
-        id(module.weight): name
-        for name, module in model.named_modules()
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad
-    }
-
-
-def check_sparse_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, name: str | None = None) -> None:
-    """Refuse, before any step, an optimizer that cannot apply the sparse gradients of an nn.Embedding(sparse=True)
-    (or EmbeddingBag) it updates: torch's would fail at the first step with "add(sparse, dense) is not supported".
-    SparseAdam can, and SGD and Adagrad without weight decay; an optimizer from outside torch and gpukit is trusted.
-    `name`: the name the optimizer was built from, if it was."""
-    tables = sparse_tables(model)
-    for part in getattr(optimizer, "optimizers", [optimizer]):
-        if name is None and type(part).__module__.split(".")[0] not in ("torch", "gpukit"):
-            continue
-        for group in part.param_groups:
-            found = [tables[id(parameter)] for parameter in group["params"] if id(parameter) in tables]
-            decay = group.get("weight_decay") or 0
-            if not found or (isinstance(part, SPARSE_READY) and not decay):
-                continue
-            kind = f"optimizer={name!r}" if name is not None else type(part).__name__
-            cannot = f"{kind} with weight_decay={decay:g}" if isinstance(part, SPARSE_READY) else kind
-            raise ValueError(
-                f"the embedding {found[0]!r} is built with sparse=True, so its gradients are sparse, which {cannot} "
-                "cannot apply. Give the sparse tables torch.optim.SparseAdam and the rest another optimizer: "
-                f"optimizer=[torch.optim.SparseAdam(model.{found[0]}.parameters()), torch.optim.Adam(the other "
-                "parameters)]; or train them with SGD or Adagrad without weight decay (e.g. optimizer='momentum', "
-                "weight_decay=0); or build the embedding with sparse=False."
-            )
-
-
-class Combined(torch.optim.Optimizer):
-    """Several optimizers as one, each updating its own parameters: SparseAdam for sparse embeddings beside Adam for
-    the rest (fit(optimizer=[SparseAdam(...), Adam(...)]) builds it). Their parameter groups, in order, are its own
-    (the same dicts: a schedule's lr reaches each), `step` steps each in turn (their step hooks run), and its state
-    is each one's."""
-
-    def __init__(self, optimizers):
-        self.optimizers = list(optimizers)
-        if not self.optimizers or not all(isinstance(part, torch.optim.Optimizer) for part in self.optimizers):
-            raise TypeError(
-                f"optimizer=[...] takes torch.optim.Optimizers, each built for its own parameters, got "
-                f"{[type(part).__name__ for part in self.optimizers]}."
-            )
-        owners = [id(p) for part in self.optimizers for group in part.param_groups for p in group["params"]]
-        if len(owners) != len(set(owners)):
-            raise ValueError(
-                "optimizer=[...]: a parameter is in two of the optimizers, which would both update it; give each "
-                "optimizer its own parameters."
-            )
-        super().__init__(self._groups(), {})
-
-    def _groups(self) -> list[dict]:
-        return [group for part in self.optimizers for group in part.param_groups]
-
-    @property
-    def state(self) -> dict:
-        """Every optimizer's state, keyed by its parameters."""
-        return {parameter: value for part in self.optimizers for parameter, value in part.state.items()}
-
-    @state.setter
-    def state(self, value) -> None:  # torch.optim.Optimizer.__init__ assigns an empty state: kept in the parts
-        pass
-
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for part in self.optimizers:
-            part.step()
-        return loss
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [part.state_dict() for part in self.optimizers]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict["optimizers"]
-        if len(saved) != len(self.optimizers):
-            raise ValueError(f"the state holds {len(saved)} optimizers' states, this has {len(self.optimizers)}.")
-        for part, state in zip(self.optimizers, saved):
-            part.load_state_dict(state)
-        self.param_groups = self._groups()  # each loaded optimizer made new group dicts: share them again
 
 
 def optimizer_class_and_options(name: str) -> tuple[type[torch.optim.Optimizer], dict]:

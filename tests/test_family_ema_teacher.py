@@ -115,8 +115,13 @@ def test_a_dino_run_stopped_midway_resumes_bit_equal_teacher_and_centre_included
     gk.fit(straight, TRAIN, optimizer=with_teacher_update(straight), checkpoint_dir=tmp_path / "a", **options)
     stopped = Dino()
     with pytest.raises(KeyboardInterrupt):
-        gk.fit(stopped, TRAIN, optimizer=with_teacher_update(stopped), checkpoint_dir=tmp_path / "b",
-               **dict(options, loss_fn=raising_at(call, dino_loss, KeyboardInterrupt)))  # fmt: skip
+        gk.fit(
+            stopped,
+            TRAIN,
+            optimizer=with_teacher_update(stopped),
+            checkpoint_dir=tmp_path / "b",
+            **dict(options, loss_fn=raising_at(call, dino_loss, KeyboardInterrupt)),
+        )
     torch.manual_seed(123)
     resumed = Dino()
     gk.fit(resumed, TRAIN, optimizer=with_teacher_update(resumed), checkpoint_dir=tmp_path / "b", **options)

@@ -120,7 +120,13 @@ def test_a_multi_task_run_stopped_midway_resumes_bit_equal(call, tmp_path):
     straight = TwoHeads()
     straight_history = gk.fit(straight, TRAIN, checkpoint_dir=tmp_path / "a", loss_fn=multi_task_loss, **options)
     with pytest.raises(KeyboardInterrupt):
-        gk.fit(TwoHeads(), TRAIN, checkpoint_dir=tmp_path / "b", loss_fn=raising_at(call, multi_task_loss, KeyboardInterrupt), **options)  # fmt: skip
+        gk.fit(
+            TwoHeads(),
+            TRAIN,
+            checkpoint_dir=tmp_path / "b",
+            loss_fn=raising_at(call, multi_task_loss, KeyboardInterrupt),
+            **options,
+        )
     torch.manual_seed(123)  # another process: other generators
     resumed = TwoHeads()
     history = gk.fit(resumed, TRAIN, checkpoint_dir=tmp_path / "b", loss_fn=multi_task_loss, **options)

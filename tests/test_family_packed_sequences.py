@@ -76,7 +76,13 @@ def test_a_run_stopped_midway_resumes_bit_equal(call, tmp_path):
     straight = Reader()
     gk.fit(straight, TRAIN, checkpoint_dir=tmp_path / "a", **options)
     with pytest.raises(KeyboardInterrupt):
-        gk.fit(Reader(), TRAIN, checkpoint_dir=tmp_path / "b", loss_fn=raising_at(call, F.cross_entropy, KeyboardInterrupt), **options)  # fmt: skip
+        gk.fit(
+            Reader(),
+            TRAIN,
+            checkpoint_dir=tmp_path / "b",
+            loss_fn=raising_at(call, F.cross_entropy, KeyboardInterrupt),
+            **options,
+        )
     torch.manual_seed(123)
     resumed = Reader()
     gk.fit(resumed, TRAIN, checkpoint_dir=tmp_path / "b", **options)

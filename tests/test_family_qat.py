@@ -41,7 +41,10 @@ def prepared(seed: int = 0) -> nn.Module:
 
 def batches(count: int, size: int = 6, seed: int = 0) -> list[tuple]:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 8, generator=generator), torch.randint(0, 4, (size,), generator=generator)) for _ in range(count)]  # fmt: skip
+    return [
+        (torch.randn(size, 8, generator=generator), torch.randint(0, 4, (size,), generator=generator))
+        for _ in range(count)
+    ]
 
 
 TRAIN, HELD_OUT = batches(5), batches(1, seed=1)
@@ -107,7 +110,13 @@ def test_a_run_resumes_into_a_model_prepared_afresh(call, tmp_path):
     straight = prepared()
     gk.fit(straight, TRAIN, checkpoint_dir=tmp_path / "a", **options)
     with pytest.raises(KeyboardInterrupt):
-        gk.fit(prepared(), TRAIN, checkpoint_dir=tmp_path / "b", loss_fn=raising_at(call, F.cross_entropy, KeyboardInterrupt), **options)  # fmt: skip
+        gk.fit(
+            prepared(),
+            TRAIN,
+            checkpoint_dir=tmp_path / "b",
+            loss_fn=raising_at(call, F.cross_entropy, KeyboardInterrupt),
+            **options,
+        )
     torch.manual_seed(123)
     resumed = prepared()
     assert resumed.state_dict()["1.weight_fake_quant.activation_post_process.min_val"].shape == (0,)

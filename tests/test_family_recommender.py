@@ -87,8 +87,13 @@ def test_a_run_with_two_optimizers_resumes_bit_equal(call, tmp_path):
     gk.fit(straight, TRAIN, optimizer=optimizers(straight), checkpoint_dir=tmp_path / "a", **options)
     stopped = Recommender()
     with pytest.raises(KeyboardInterrupt):
-        gk.fit(stopped, TRAIN, optimizer=optimizers(stopped), checkpoint_dir=tmp_path / "b",
-               **dict(options, loss_fn=raising_at(call, F.mse_loss, KeyboardInterrupt)))  # fmt: skip
+        gk.fit(
+            stopped,
+            TRAIN,
+            optimizer=optimizers(stopped),
+            checkpoint_dir=tmp_path / "b",
+            **dict(options, loss_fn=raising_at(call, F.mse_loss, KeyboardInterrupt)),
+        )
     torch.manual_seed(123)
     resumed = Recommender()
     parts = optimizers(resumed)

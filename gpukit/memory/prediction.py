@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from ..env import resolve_device
-from ..optim import OPTIMIZERS, muon_parameters, sparse_tables
+from ..optim import OPTIMIZERS, muon_parameters
 from ..precision import PRECISIONS, Precision
+from ..sparse_gradients import sparse_tables
 from ..step import Batch, Loss, TrainStep, training_mode
 from ..validation import is_int
 from .counting import CUDA_BLOCK, LiveTensors, keeps_generators

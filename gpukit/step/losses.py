@@ -39,6 +39,7 @@ from .outputs import (
     is_list_of_dicts,
     loss_parts,
     named_outputs,
+    summed_losses,
     unpack_outputs,
 )
 
@@ -205,7 +206,7 @@ class Loss:
         elif self.takes_outputs:
             loss = self.fn(outputs, target)
             if isinstance(loss, Mapping):  # named parts, {"cls": …, "reg": …}: their sum, each a column
-                loss, parts = self._summed(loss)
+                loss, parts = summed_losses(loss, f"loss_fn {self.name!r}")
         else:
             loss = self._of_prediction(prediction, target, outputs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -215,20 +216,6 @@ class Loss:
                 "or use a loss function with reduction='mean'."
             )
         return (loss if loss.dtype == torch.float32 else loss.float()), parts
-
-    def _summed(self, losses: Mapping) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Your loss_fn's dict of named losses: their sum (or its own "loss" entry, the total, as in a model's dict),
-        and the parts by column name ("cls" is loss_cls)."""
-        wrong = {name: value for name, value in losses.items() if not _is_scalar(value)}
-        if wrong or not losses:
-            name, value = next(iter(wrong.items())) if wrong else ("", None)
-            raise ValueError(
-                f"loss_fn {self.name!r} returned a dict whose {name!r} is {_not_a_scalar(value)}: a dict of losses "
-                "holds one scalar tensor per part (reduce each, e.g. .mean()), which fit adds up and logs one by one."
-                if wrong
-                else f"loss_fn {self.name!r} returned an empty dict: return the loss, or a dict of its parts."
-            )
-        return (losses["loss"] if "loss" in losses else sum(losses.values())), loss_parts(losses)
 
     def plain_classes(self, outputs, target) -> bool:
         """Whether this is the built-in cross-entropy of a prediction returned alone, classes last, with int64 class

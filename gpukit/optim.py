@@ -14,6 +14,9 @@ Names (`make_optimizer`):
     "lars"       LARS (layer-wise adaptive SGD with momentum 0.9, You et al. 2017), from timm
     "muon"       torch.optim.Muon (torch >= 2.9) for the hidden weight matrices, AdamW for the rest
 
+A list of optimizers, each for its own parameters, is one `Combined` (SparseAdam for nn.Embedding(sparse=True)
+tables beside Adam: gpukit.sparse_gradients, whose check refuses an optimizer that cannot apply sparse gradients).
+
 No decay on biases and norm parameters: for "adamw", "lamb", "lars" and "muon" every parameter
 with one dimension (biases, BatchNorm/LayerNorm scales and shifts) goes to a group with
 weight_decay=0, as BERT, timm and nanoGPT do; decaying a norm's scale towards 0 only fights the
@@ -30,12 +33,14 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .sparse_gradients import Combined, check_sparse_gradients
 from .validation import check_number
 
 __all__ = [
     "DEFAULT_LRS",
     "OPTIMIZERS",
     "SCHEDULES",
+    "Combined",
     "MuonWithAdamW",
     "check_lr",
     "default_lr",
@@ -91,7 +96,7 @@ def _check_name(name: str) -> None:
             "optimizer='sgd' has meant SGD with Nesterov momentum 0.9; say optimizer='nesterov' (the same) "
             "or 'momentum'. In the next release 'sgd' will be plain SGD without momentum.",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=5,  # (the caller of make_optimizer's caller, through _built)
         )
     if name not in OPTIMIZERS:
         raise ValueError(
@@ -124,23 +129,33 @@ def _timm(name: str):
 
 
 def make_optimizer(
-    optimizer: str | torch.optim.Optimizer | Callable,
+    optimizer: str | torch.optim.Optimizer | list[torch.optim.Optimizer] | Callable,
     parameters: Iterable | nn.Module,
     lr: float,
     weight_decay: float,
     *,
     no_decay_1d: bool | None = None,
 ) -> torch.optim.Optimizer:
-    """An optimizer from a name (see the module docstring), an Optimizer (returned as it is), or a
-    function of the parameters that returns one.
+    """An optimizer from a name (see the module docstring), an Optimizer (returned as it is), a list of
+    them (each for its own parameters: one `Combined`), or a function of the parameters that returns one.
 
     parameters: a model, or its parameters. "muon" needs the model (it must tell the hidden
         weights from the embeddings and the output head); given bare parameters it treats every
-        2-D parameter as hidden.
+        2-D parameter as hidden. Given the model, an optimizer that cannot apply the sparse gradients
+        of its nn.Embedding(sparse=True) tables is refused (check_sparse_gradients).
     no_decay_1d: None means True for "adamw", "lamb", "lars" and "muon", False for the others.
     """
+    built = _built(optimizer, parameters, lr, weight_decay, no_decay_1d)
+    if isinstance(parameters, nn.Module):
+        check_sparse_gradients(parameters, built, optimizer if isinstance(optimizer, str) else None)
+    return built
+
+
+def _built(optimizer, parameters, lr: float, weight_decay: float, no_decay_1d: bool | None) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
+    if isinstance(optimizer, (list, tuple)):
+        return Combined(optimizer)
     if callable(optimizer) and not isinstance(optimizer, str):
         built = optimizer(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         if not isinstance(built, torch.optim.Optimizer):

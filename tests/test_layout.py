@@ -32,6 +32,7 @@ LAYERS = [
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
         "gpukit.claims",  # gk.check and its kin: a lesson's check in one line
+        "gpukit.sparse_gradients",  # which optimizers apply sparse gradients; several optimizers as one
     },
     {
         "gpukit.data",

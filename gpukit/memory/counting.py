@@ -57,11 +57,19 @@ def storage_of(tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def dense_parts(tensor) -> tuple:
+    """The tensors that hold `tensor`'s bytes: a sparse COO tensor's indices (int64, (dims, nnz)) and values (nnz
+    rows: an nn.Embedding(sparse=True)'s gradient), else the tensor itself."""
+    if isinstance(tensor, torch.Tensor) and tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    return (tensor,)
+
+
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
+    """Bytes of the distinct storages behind `tensors` (a sparse tensor's: its indices' and values')."""
     sizes = {}
-    for tensor in tensors:
-        storage = storage_of(tensor)
+    for part in (part for tensor in tensors for part in dense_parts(tensor)):
+        storage = storage_of(part)
         if storage is not None:
             sizes[storage._cdata] = storage.nbytes()
     return sum(sizes.values())
@@ -105,7 +113,8 @@ class LiveTensors(TorchDispatchMode):
 
     def add(self, tensors) -> None:
         for tensor in tensors:
-            self._count(tensor)
+            for part in dense_parts(tensor):
+                self._count(part)
         self._sample()
 
     def serial_of(self, tensor) -> int | None:
@@ -156,8 +165,9 @@ class LiveTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # An output that shares an input's storage (a view, an in-place result) allocated nothing.
-        inputs = {storage._cdata for storage in map(storage_of, tree_leaves((args, kwargs))) if storage is not None}
-        for tensor in tree_leaves(out):
+        leaves = [part for leaf in tree_leaves((args, kwargs)) for part in dense_parts(leaf)]
+        inputs = {storage._cdata for storage in map(storage_of, leaves) if storage is not None}
+        for tensor in (part for leaf in tree_leaves(out) for part in dense_parts(leaf)):
             storage = storage_of(tensor)
             if storage is not None and (storage._cdata not in inputs or storage._cdata in self.live):
                 self._count(tensor)

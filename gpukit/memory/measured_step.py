@@ -18,7 +18,7 @@ from torch import nn
 
 from ..optim import make_optimizer
 from ..step import Batch, TrainStep, split_batch, unpack_outputs
-from .counting import LiveTensors, SavedTensors, optimizer_tensors, storage_bytes, storage_of
+from .counting import LiveTensors, SavedTensors, dense_parts, optimizer_tensors, storage_bytes, storage_of
 from .parts import MemoryBreakdown
 
 
@@ -144,7 +144,9 @@ class MeasuredStep:
         gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
         grads = storage_bytes(gradients)
         if tracker is not None:
-            self.gradient_serials = {tracker.serial_of(gradient) for gradient in gradients}
+            self.gradient_serials = {
+                tracker.serial_of(part) for gradient in gradients for part in dense_parts(gradient)
+            }
         del gradients  # zero_grad(set_to_none=True) must free them, as in fit
         mark("optimizer step")
         self.step.step()

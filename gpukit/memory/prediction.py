@@ -11,6 +11,7 @@ from torch import nn
 from ..env import resolve_device
 from ..optim import OPTIMIZERS, muon_parameters
 from ..precision import PRECISIONS, Precision
+from ..sparse_gradients import sparse_tables
 from ..step import Batch, Loss, TrainStep, training_mode
 from ..validation import is_int
 from .counting import CUDA_BLOCK, LiveTensors, keeps_generators
@@ -95,6 +96,11 @@ def predict(
     workspaces = FusedWorkspaces() if target.type == "cpu" else contextlib.nullcontext()
     with FakeTensorMode(), workspaces, _fake_parameters(model, simulated), training_mode(model):
         built, optimizer_name = build_optimizer(optimizer, model, foreach=True if target.type == "cuda" else None)
+        if sparse_tables(model):  # (the optimizer is checked first: one that cannot apply them is refused above)
+            raise CannotSimulateError(
+                "an nn.Embedding(sparse=True)'s gradient holds one row per id looked up, which fake tensors cannot "
+                "count (they give it none)"
+            )
         step = TrainStep(model, built, fake_precision, Loss(loss_fn, check_targets=False), set_to_none=set_to_none)
         measured = MeasuredStep(model, resized(batch, batch_size, simulated), step)
         measured.warm_up()

@@ -4,7 +4,8 @@ A *batch* is what a loader yields. Accepted forms:
 
     (inputs, target)       inputs a tensor → model(inputs); a tuple or list of tensors →
                            model(*inputs) (the default collate turns a Dataset's ((a, b), y)
-                           into lists); a dict → model(**inputs)
+                           into lists); a dict → model(**inputs). The target may be a dict of
+                           tensors, one per task ({"cls": (B,), "reg": (B,)}), for your loss_fn
     (*inputs, target)      three or more tensors, as TensorDataset(a, b, y) yields
     {"name": tensor, …}    a dict (the Hugging Face convention) → model(**batch); its "labels"
                            entry, if any, is the target
@@ -35,7 +36,8 @@ from .outputs import _describe, is_list_of_dicts
 
 IGNORE_INDEX = -100  # targets equal to this are not scored (PyTorch's and Hugging Face's convention)
 BATCH_FORMS = (
-    "(inputs, target) with inputs a tensor, a tuple/list of tensors or a dict of tensors; "
+    "(inputs, target) with inputs a tensor, a tuple/list of tensors or a dict of tensors, and target a tensor or a "
+    "dict of tensors (one per task); "
     "(*inputs, target) with three or more tensors; a dict of tensors passed as model(**batch), "
     "whose 'labels' entry is the target; or (images, targets) with targets a list of dicts, one per example "
     "(torchvision's detection form), passed as model(images, targets); or an object with a .to(device) method "
@@ -61,7 +63,7 @@ class Batch:
 
     args: tuple
     kwargs: dict
-    target: torch.Tensor | list | None
+    target: torch.Tensor | list | dict | None
     size: int
     target_to_model: bool = False
     moves_itself: bool = False
@@ -102,6 +104,8 @@ class Batch:
                 return value[torch.tensor(index, device=value.device)]
             if isinstance(value, (tuple, list)) and len(value) == self.size:
                 return type(value)(value[i] for i in index)
+            if isinstance(value, Mapping):  # a target per task
+                return {key: per_example(item) for key, item in value.items()}
             return value
 
         return dataclasses.replace(
@@ -201,7 +205,9 @@ def split_batch(batch) -> Batch:
         *inputs, target = batch
         if is_list_of_dicts(target) and len(inputs) == 1:  # detection: model(images, targets)
             return Batch((inputs[0],), {}, target, len(target), target_to_model=True)
-        if not isinstance(target, torch.Tensor):
+        if _is_multi_task(target):  # a target per task, {"cls": (B,), "reg": (B,)}: your loss_fn gets it whole
+            target = dict(target)
+        elif not isinstance(target, torch.Tensor):
             raise TypeError(
                 f"the last element of a batch must be the target: a tensor, or a list of dicts (one per example), "
                 f"got {_describe(batch)}; the accepted forms are {BATCH_FORMS}.{_collate_hint(target)}"
@@ -225,6 +231,17 @@ def split_batch(batch) -> Batch:
     raise TypeError(f"cannot use a batch of the form {_describe(batch)}; the accepted forms are {BATCH_FORMS}.{hint}")
 
 
+def _is_multi_task(target) -> bool:
+    """A dict of tensors with a batch dimension, one target per task; not detection's per-example dicts stacked by
+    the default collate ("boxes": refused with _collate_hint)."""
+    return (
+        isinstance(target, Mapping)
+        and bool(target)
+        and "boxes" not in target
+        and all(isinstance(value, torch.Tensor) and value.dim() for value in target.values())
+    )
+
+
 def _collate_hint(target) -> str:
     """A dict of batched tensors where per-example dicts were meant: what PyTorch's default collate makes of them."""
     if not isinstance(target, Mapping):
@@ -236,8 +253,10 @@ def _collate_hint(target) -> str:
     )
 
 
-def _size(batch, target: torch.Tensor | None = None) -> int:
+def _size(batch, target: torch.Tensor | dict | None = None) -> int:
     """Samples: the target's first dimension (a graph batch's 8 graphs, not its 300 nodes), else the first tensor's."""
+    if isinstance(target, Mapping):  # a target per task: their first dimension
+        return _first_dimension(target)
     if target is not None and target.dim():
         return target.shape[0]
     size = _first_dimension(batch)

@@ -3,7 +3,9 @@ accuracy means something for them.
 
 The loss is, in this order:
 - `loss_fn(outputs, target)` with your own function: it receives the outputs exactly as the model
-  returned them (the whole tuple or dict), and the target (None for a dict batch without "labels");
+  returned them (the whole tuple or dict), and the target (None for a dict batch without "labels"; a
+  dict of tensors for a target per task). It returns a scalar tensor, or a dict of named scalar losses
+  ({"cls": …, "reg": …}, a multi-task loss): their sum is minimised and each is a column (loss_cls);
 - a built-in loss ("cross_entropy", "mse", or one of PyTorch's: a torch.nn.functional loss such as
   F.cross_entropy, an nn.Module loss such as nn.MSELoss()) of the prediction and the target;
 - with no loss_fn, the model's own loss; else cross-entropy of the prediction when the target is
@@ -22,7 +24,7 @@ loss_fn gets the tuple (a VAE's reconstruction is no class scores), and never fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -35,7 +37,9 @@ from .outputs import (
     class_dimension,
     describe_value,
     is_list_of_dicts,
+    loss_parts,
     named_outputs,
+    summed_losses,
     unpack_outputs,
 )
 
@@ -184,17 +188,25 @@ class Loss:
 
     def __call__(self, outputs, target) -> torch.Tensor:
         """The scalar loss (float32) of one batch from what the model returned and the batch's target."""
+        return self.with_parts(outputs, target)[0]
+
+    def with_parts(self, outputs, target) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the scalar loss (float32), its named parts by column name, detached): the dict of losses your loss_fn
+        returned (a multi-task loss: their sum is minimised) or the model returned (loss_parts); {} for one loss."""
         if self.plain_classes(outputs, target):
             try:  # what _of_prediction computes for them, without its checks (they hold: the test above)
                 loss = _cross_entropy(outputs, target, self.label_smoothing)
-                return loss if loss.dtype == torch.float32 else loss.float()
+                return (loss if loss.dtype == torch.float32 else loss.float()), {}
             except (IndexError, RuntimeError):  # a target out of range: the whole way below says which
                 pass
         prediction, model_loss = unpack_outputs(outputs)
+        parts = {} if type(outputs) is torch.Tensor else loss_parts(outputs)
         if self.uses_model_loss(model_loss):
             loss = model_loss
         elif self.takes_outputs:
             loss = self.fn(outputs, target)
+            if isinstance(loss, Mapping):  # named parts, {"cls": …, "reg": …}: their sum, each a column
+                loss, parts = summed_losses(loss, f"loss_fn {self.name!r}")
         else:
             loss = self._of_prediction(prediction, target, outputs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -203,7 +215,7 @@ class Loss:
                 f"{source} returned {_not_a_scalar(loss)}; the loss must be a scalar tensor: reduce it (e.g. .mean()), "
                 "or use a loss function with reduction='mean'."
             )
-        return loss if loss.dtype == torch.float32 else loss.float()
+        return (loss if loss.dtype == torch.float32 else loss.float()), parts
 
     def plain_classes(self, outputs, target) -> bool:
         """Whether this is the built-in cross-entropy of a prediction returned alone, classes last, with int64 class
@@ -220,12 +232,13 @@ class Loss:
             and outputs.is_floating_point()
         )
 
-    def of_evaluation(self, outputs, target) -> torch.Tensor | None:
-        """The loss for evaluation; None where there is none to compute: outputs that are a list of dicts (a
-        detector's detections: torchvision's compute their losses only in training mode), with no loss_fn of yours."""
+    def of_evaluation(self, outputs, target) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The loss for evaluation and its named parts (`with_parts`); None where there is none to compute: outputs
+        that are a list of dicts (a detector's detections: torchvision's compute their losses only in training mode),
+        with no loss_fn of yours."""
         if is_list_of_dicts(outputs) and not self.takes_outputs:
-            return None
-        return self(outputs, target)
+            return None, {}
+        return self.with_parts(outputs, target)
 
     def ignored_scalars(self, outputs) -> list[str]:
         """Where the outputs hold scalar tensors that this loss leaves out ("[1]", "['aux_loss']", ".aux_loss"): it is
@@ -320,8 +333,8 @@ class Loss:
         """
         prediction, model_loss = unpack_outputs(outputs)
         target = batch.target
-        if prediction is None or target is None or not prediction.is_floating_point():
-            return False
+        if prediction is None or not isinstance(target, torch.Tensor) or not prediction.is_floating_point():
+            return False  # (a target per task: your metrics measure each)
         if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
             return False
         dimension = class_dimension(prediction, target)

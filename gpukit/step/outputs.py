@@ -86,6 +86,21 @@ def loss_parts(outputs) -> dict[str, torch.Tensor]:
     }
 
 
+def summed_losses(losses: Mapping, source: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A dict of named losses that `source` (your loss_fn) returned: their sum (or its own "loss" entry, the total, as
+    in a model's dict), and the parts by column name ("cls" is loss_cls)."""
+    wrong = {name: value for name, value in losses.items() if not _is_scalar(value)}
+    if wrong or not losses:
+        name, value = next(iter(wrong.items())) if wrong else ("", None)
+        raise ValueError(
+            f"{source} returned a dict whose {name!r} is {describe_value(value)}: a dict of losses holds one scalar "
+            "tensor per part (reduce each, e.g. .mean()), which fit adds up and logs one by one."
+            if wrong
+            else f"{source} returned an empty dict: return the loss, or a dict of its parts."
+        )
+    return (losses["loss"] if "loss" in losses else sum(losses.values())), loss_parts(losses)
+
+
 def class_dimension(prediction: torch.Tensor, target: torch.Tensor) -> int | None:
     """The dimension of `prediction` that holds the classes of `target`: the last ((B, C) for (B,),
     (B, T, V) for (B, T)) or the second ((B, C, H, W) for (B, H, W)); None if neither fits."""

@@ -58,14 +58,15 @@ class TrainStep:
 
     def forward(
         self, batch: Batch, explain: contextlib.AbstractContextManager | None = None
-    ) -> tuple[torch.Tensor, object, torch.Tensor | None]:
-        """(loss, the outputs as the model returned them, the model's own loss or None) of one batch,
-        under autocast. `explain`: a context around the model call alone (fit's first batch: a failure explained)."""
+    ) -> tuple[torch.Tensor, object, dict[str, torch.Tensor]]:
+        """(loss, the outputs as the model returned them, the loss's named parts: a dict of losses of yours or the
+        model's, detached, by column name; {} for one loss) of one batch, under autocast. `explain`: a context around
+        the model call alone (fit's first batch: a failure explained)."""
         with self.precision.autocast():
             with explain or contextlib.nullcontext():
                 outputs = batch.call(self.model)
-            loss = self.loss(outputs, batch.target)
-        return loss, outputs, unpack_outputs(outputs)[1]
+            loss, parts = self.loss.with_parts(outputs, batch.target)
+        return loss, outputs, parts
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)

@@ -3,7 +3,8 @@
 check_host_targets   on a GPU, each batch's integer class targets read on the host before their copy: one out of
                      range would end the process in a device-side assert;
 failed_batch_cause   when a training step fails: the cause read from the batch's data (a target out of
-                     range, a batch of one sample under BatchNorm, token ids beyond the embedding), or None;
+                     range, a batch of one sample under BatchNorm, ids beyond the embedding table that looked
+                     them up), or None;
 check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand, or no target of it scored
                      (all ignored), is a problem in the data;
 warn_if_scalars_ignored  at the first step: scalar tensors the model returns beside its prediction (an
@@ -16,11 +17,11 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from .. import distributed
 from ..step import Batch, BatchError, Loss, describe_value, named_outputs, split_batch, unpack_outputs
-from .checks import NonFiniteInputError, _is_float_tensor, describe, is_class_tensor
+from .checks import FirstCallError, NonFiniteInputError, _is_float_tensor, describe, is_class_tensor
 from .tally import callers_stacklevel
 
 
@@ -117,6 +118,8 @@ def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str 
     the data shows no cause. Values are read only here, after the failure (one synchronisation)."""
     if isinstance(error, BatchError):  # the loss found it: a target out of range, every target ignored
         return str(error)
+    if isinstance(error, FirstCallError):  # the first batch's model call, explained: its cause may be in the data
+        return _ids_beyond_table(error.__cause__, model)
     if isinstance(error, ValueError) and batch.size == 1:
         norms = [name for name, module in model.named_modules() if _is_batch_norm(module) and module.training]
         if norms:
@@ -126,7 +129,7 @@ def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str 
                 "DataLoader, or choose a batch_size that leaves no last batch of one."
             )
     if isinstance(error, (IndexError, RuntimeError)):
-        return _token_ids_beyond_embedding(model, batch)
+        return _ids_beyond_table(error, model)
     return None
 
 
@@ -134,25 +137,35 @@ def _is_batch_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)  # BatchNorm1d, 2d, 3d, SyncBatchNorm and lazy ones
 
 
-def _token_ids_beyond_embedding(model: nn.Module, batch: Batch) -> str | None:
-    """Integer inputs outside the rows of the model's largest nn.Embedding (its vocabulary), in words."""
-    embeddings = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
-    targets = {id(t) for t in tree_leaves(batch.target)}
-    ids = [t for t in tree_leaves((batch.args, batch.kwargs)) if is_class_tensor(t) and id(t) not in targets]
-    if not embeddings or not ids:
+_TABLES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _ids_beyond_table(error: BaseException | None, model: nn.Module) -> str | None:
+    """The ids of the embedding lookup that raised `error`, against that table's rows, in words; None where no lookup
+    failed (a length of 0 given to pack_padded_sequence is no token id) or its ids lie in range. The table and its ids
+    are read from the failed call itself, F.embedding(input, weight) in the error's traceback: an id beyond one table
+    is named even where another, larger table would hold it."""
+    tables = {id(module.weight): name for name, module in model.named_modules() if isinstance(module, _TABLES)}
+    lookup, traceback = None, error.__traceback__ if error is not None else None
+    while traceback is not None:  # to the innermost lookup
+        found = traceback.tb_frame.f_locals
+        if traceback.tb_frame.f_code.co_name in ("embedding", "embedding_bag") and id(found.get("weight")) in tables:
+            lookup = found
+        traceback = traceback.tb_next
+    ids = lookup.get("input") if lookup is not None else None
+    if not is_class_tensor(ids) or not ids.numel():
         return None
-    name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
-    rows = embedding.num_embeddings
+    name, rows = tables[id(lookup["weight"])], lookup["weight"].shape[0]
     try:
-        low, high = torch.stack([torch.stack([t.min(), t.max()]).long() for t in ids if t.numel()]).T.tolist()
-    except RuntimeError:  # nothing to read (empty tensors), or a device that failed for good
+        low, high = torch.stack([ids.min(), ids.max()]).tolist()
+    except RuntimeError:  # a device that failed for good
         return None
-    if min(low) >= 0 and max(high) < rows:
+    if low >= 0 and high < rows:
         return None
     return (
-        f"its integer inputs (token ids) lie in {min(low)}..{max(high)}, but the model's embedding {name!r} has "
-        f"{rows} rows (ids 0..{rows - 1}): an id is out of range for the vocabulary. Encode the data with the "
-        f"model's tokenizer, or build the model with vocab_size={max(high) + 1} or more."
+        f"the ids it looks up in the embedding {name!r} (token ids) lie in {low}..{high}, but {name!r} has {rows} "
+        f"rows (ids 0..{rows - 1}): an id is out of range for that table. Encode the data with the model's tokenizer "
+        f"(or that table's numbering), or build the table with {high + 1} rows or more (vocab_size={high + 1})."
     )
 
 

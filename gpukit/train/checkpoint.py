@@ -113,7 +113,7 @@ class Checkpointer:
         state = read_checkpoint(self.path)
         optimizer = run.step.optimizer
         _check_entries(state, self.path)
-        _check_same_model(state["model"], run.model.state_dict(), self.path)
+        _check_same_model(state["model"], run.model, self.path)
         _check_same_trained(state, run.model, optimizer, self.path)
         extend = self._check(state, optimizer)
         trained = _trained(run.model, optimizer)

@@ -56,6 +56,11 @@ class NonFiniteInputError(NonFiniteLossError, ValueError):
     """The loss became NaN or infinite and the batch holds NaN or inf: a problem in the data, not the lr."""
 
 
+class FirstCallError(ValueError):
+    """The model failed on the training data's first batch: how the batch was called, and the model's error as the
+    cause (which the batch's data may explain: gpukit.train.batch_checks)."""
+
+
 def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -> None:
     """What fit checks before it builds anything, besides the numbers loop.py checks."""
     if seed is None:
@@ -71,8 +76,9 @@ def check_arguments(model: nn.Module, *, seed, checkpoint_dir, optimizer=None) -
             "checkpoint_dir does not support FSDP2-sharded models; save those with torch.distributed.checkpoint."
         )
     check_trainable(model)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        check_optimizer_parameters(model, optimizer)
+    for each in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:  # (a list: one each)
+        if isinstance(each, torch.optim.Optimizer):
+            check_optimizer_parameters(model, each)
     if distributed.is_main():  # the one rank that writes checkpoints
         check_checkpoint_dir(checkpoint_dir)
         check_room_for_saves(model, checkpoint_dir)
@@ -189,7 +195,7 @@ def check_eval_data(
                 f"each of the {epochs} epochs; pass a list, a Dataset or a DataLoader."
             )
         return
-    with _random_state_kept(device):  # a shuffled loader or a sampling model draws: training must not see it
+    with _random_state_kept(device), buffers_kept(model):  # draws (a shuffled loader, a sampling model), observers
         batch = _first_eval_batch(eval_data, device, channels_last)
         _evaluate_one(model, batch, device, precision, loss_fn, metrics)
 
@@ -209,8 +215,8 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
         try:
             loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
             with precision.autocast():
-                value = loss.of_evaluation(outputs, batch.target)
-            Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs)  # no tokens read here
+                value, parts = loss.of_evaluation(outputs, batch.target)
+            Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs, parts)  # no tokens read
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -230,7 +236,7 @@ def explained_model_failure(model: nn.Module, batch: Batch):
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
-        raise ValueError(model_failure(model, batch, error, "the training data")) from error
+        raise FirstCallError(model_failure(model, batch, error, "the training data")) from error
 
 
 def model_failure(model: nn.Module, batch: Batch, error: Exception, source: str) -> str:
@@ -283,7 +289,7 @@ def check_first_batch(model: nn.Module, batch: Batch, precision: Precision, devi
     if not mismatch:
         return
     try:
-        with _random_state_kept(device), torch.no_grad(), training_mode(model, False):
+        with _random_state_kept(device), buffers_kept(model), torch.no_grad(), training_mode(model, False):
             with precision.autocast():
                 batch.call(model)
     except torch.OutOfMemoryError:
@@ -348,6 +354,33 @@ def describe(batch: Batch) -> str:
     inputs = [shown(t) for t in batch.args] + [f"{key}={shown(t)}" for key, t in batch.kwargs.items()]
     target = f", target {shown(batch.target)}" if batch.target is not None and "labels" not in batch.kwargs else ""
     return f"input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)}{target}"
+
+
+def kept_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of the model with a copy of its value, for `put_back`: what a forward moves that a check, or a
+    refused first batch, must not leave behind (BatchNorm's statistics in training; a fake-quant observer's ranges,
+    which move in eval mode too). A lazy module's buffers, not yet made, have nothing to keep."""
+    return [(buffer, buffer.detach().clone()) for buffer in model.buffers() if not nn.parameter.is_lazy(buffer)]
+
+
+def put_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The buffers as `kept_buffers` copied them, exactly: also one that a forward resized (QAT's observers grow from
+    shape (0,) to one value per channel at their first forward), back to its shape."""
+    with torch.no_grad():
+        for buffer, value in kept:
+            if buffer.shape != value.shape:
+                buffer.resize_(value.shape)
+            buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module):
+    """The model's buffers put back as they were when the block ends, however it ends."""
+    kept = kept_buffers(model)
+    try:
+        yield
+    finally:
+        put_back(kept)
 
 
 def _random_state_kept(device: torch.device):

@@ -98,10 +98,10 @@ def evaluate(
             try:
                 with precision.autocast():
                     outputs = batch.call(model)
-                    value = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
+                    value, parts = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
             except BatchError as error:  # a target out of range: say which batch
                 raise BatchError(f"batch {number} of the evaluation data: {error}") from error
-            tally.add(batch, value, outputs)
+            tally.add(batch, value, outputs, parts)
     if split:
         tally.over_ranks()
     if tally.samples == 0 and unscored:

@@ -30,9 +30,9 @@ from torch import nn
 
 from .. import distributed
 from ..precision import Precision
-from ..step import Batch, BatchError, loss_parts
+from ..step import Batch, BatchError
 from .batch_checks import failed_batch_cause, warn_if_scalars_ignored
-from .checks import describe, explained_model_failure
+from .checks import describe, explained_model_failure, kept_buffers, put_back
 from .data import batch_on_device, exact_device
 from .evaluation import evaluate
 from .history import History
@@ -55,7 +55,7 @@ def fit(
     batch_size: int | None = None,
     accumulate: int = 1,
     # How it learns: the optimizer, its learning rate (the peak) and schedule, the loss
-    optimizer: str | torch.optim.Optimizer | Callable = "nesterov",
+    optimizer: str | torch.optim.Optimizer | list[torch.optim.Optimizer] | Callable = "nesterov",
     lr: float | None = None,
     weight_decay: float = 5e-4,
     schedule: str = "onecycle",
@@ -90,9 +90,12 @@ def fit(
         but not one of a single sample, which BatchNorm cannot train on); accumulate=k sums the gradients of k
         micro-batches before each optimizer step: one k-times larger batch for models without BatchNorm.
     optimizer, lr, weight_decay: a name from gpukit.optim.OPTIMIZERS ("nesterov": SGD with Nesterov momentum 0.9;
-        "adamw", "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer or a function of the
+        "adamw", "lamb", "lars" and "muon" do not decay 1-D parameters), an Optimizer, a list of them (each for its
+        own parameters: SparseAdam for nn.Embedding(sparse=True) tables beside Adam) or a function of the
         parameters; lr is the schedule's peak (default per name: gpukit.optim.DEFAULT_LRS), and an optimizer you
-        built keeps its own lrs unless you pass one; weight_decay applies to optimizers built by name.
+        built keeps its own lrs unless you pass one; weight_decay applies to optimizers built by name. What must
+        follow each optimizer step (an EMA teacher's update) is torch's optimizer.register_step_post_hook(fn); keep
+        the teacher in the model, which fit saves and resumes.
     schedule, warmup, warmup_steps: "onecycle", "linear" or "constant", counted in optimizer steps; the lr warms up
         over a fraction `warmup` of the steps, or over `warmup_steps` steps (data without len() has only steps).
     clip: a bound on the gradients' global norm, or None.
@@ -186,7 +189,7 @@ def _train_on(run: Run, batch: Batch, number: int, epoch: int, last: bool, tally
     that batch's number, any other gets the number as a note. Nothing here reads the device. A first batch refused
     leaves the model's buffers (BatchNorm's statistics, which its forward moved) as they were: a refused call
     changes nothing of the model."""
-    kept = None if run.seen_a_batch else [(buffer, buffer.clone()) for buffer in run.model.buffers()]
+    kept = None if run.seen_a_batch else kept_buffers(run.model)
     try:
         if batch.size == 0:  # known on the host, from the shape: no kernel
             raise BatchError(
@@ -199,9 +202,7 @@ def _train_on(run: Run, batch: Batch, number: int, epoch: int, last: bool, tally
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
-        with torch.no_grad():
-            for buffer, value in kept or ():
-                buffer.copy_(value)
+        put_back(kept or ())
         cause = failed_batch_cause(error, run.model, batch)
         if cause is None:
             error.add_note(f"It failed on batch {number} of epoch {epoch + 1}: {describe(batch)}.")
@@ -214,16 +215,16 @@ def _micro_step(run: Run, batch: Batch, last: bool, tally: Tally, window: LogWin
     run.phase = "forward"
     explain = None if run.seen_outputs else explained_model_failure(run.model, batch)  # the first batch's call
     with distributed.no_sync(run.parallel, not last):
-        loss, outputs, _ = run.step.forward(batch, explain)
+        loss, outputs, parts = run.step.forward(batch, explain)
         run.phase = "backward"
         run.step.backward(loss)
     if not run.seen_outputs:
         run.seen_outputs = True
         warn_if_scalars_ignored(run.loss, outputs)
     loss = loss.detach()  # once for both: each keeps it until its sums are added
-    tokens = tally.add(batch, loss, outputs)
+    tokens = tally.add(batch, loss, outputs, parts)
     run.shifted_labels = tally.shifted_labels  # decided at the first sequence batch: kept for the whole run
-    window.add(batch, loss, {} if type(outputs) is torch.Tensor else loss_parts(outputs), tokens)
+    window.add(batch, loss, parts, tokens)
     run.phase = "loading data"
 
 

@@ -155,7 +155,7 @@ def lr_find(
     loader = as_loader(data, batch_size, device, shuffle=True, seed=check_seed(seed))
 
     original_device = next(model.parameters()).device
-    saved_model = {name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=True).items()}
+    saved_model = {name: _copy(value) for name, value in model.state_dict().items()}
     saved_grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
     saved_optimizer = copy.deepcopy(optimizer.state_dict()) if isinstance(optimizer, torch.optim.Optimizer) else None
     try:
@@ -166,9 +166,7 @@ def lr_find(
             step, built, loader, device, start_lr, end_lr, steps, accumulate, smoothing, diverge, precision
         )
     finally:
-        with torch.no_grad():
-            for name, tensor in model.state_dict(keep_vars=True).items():
-                tensor.copy_(saved_model[name])
+        _put_back(model, saved_model)
         for name, p in model.named_parameters():
             p.grad = saved_grads[name]
         if saved_optimizer is not None:
@@ -176,6 +174,37 @@ def lr_find(
         model.to(original_device)
     _check_enough_before_divergence(lrs, losses, start_lr)
     return _suggest(lrs, losses, stopped)
+
+
+def _copy(value):
+    """A tensor's copy, or a deep copy of a module's extra state (anything get_extra_state returns)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _put_back(model: nn.Module, saved: dict) -> None:
+    """The model's state as lr_find found it, exactly, or a RuntimeError with nothing of it changed. Loaded as
+    load_state_dict loads it (a module's own loading runs: its extra state too), after each buffer that the sweep's
+    forwards resized (a fake-quant observer's, from (0,) to one value per channel) is given its saved shape back."""
+    now = model.state_dict(keep_vars=True)
+    parameters = {id(parameter) for parameter in model.parameters()}
+    changed = [f"{name} is new" for name in now.keys() - saved.keys()]
+    changed += [f"{name} is gone" for name in saved.keys() - now.keys()]
+    changed += [
+        f"the parameter {name} is {tuple(value.shape)}, was {tuple(saved[name].shape)}"
+        for name, value in now.items()
+        if id(value) in parameters and name in saved and value.shape != saved[name].shape
+    ]
+    if changed:
+        raise RuntimeError(
+            f"lr_find cannot put the model back as it was: its state changed form during the sweep "
+            f"({'; '.join(sorted(changed)[:3])}). Nothing was put back: the model holds the sweep's last weights; "
+            "build it again (and run lr_find on a copy: copy.deepcopy(model)) before training."
+        )
+    with torch.no_grad():
+        for name, value in now.items():
+            if isinstance(value, torch.Tensor) and value.shape != saved[name].shape:
+                value.resize_(saved[name].shape)  # a buffer (parameters keep their shape: checked above)
+    model.load_state_dict(saved)
 
 
 def _check_enough_before_divergence(lrs: list[float], losses: list[float], start_lr: float) -> None:

@@ -23,7 +23,12 @@ from torch import nn
 
 from .. import fp8 as float8
 from ..compiling import compile_regions, remove_compiled_regions
-from ..memory.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from ..memory.activation_checkpointing import (
+    apply_activation_checkpointing,
+    find_blocks,
+    remove_activation_checkpointing,
+    sequential_layers,
+)
 from ..memory.offload import OffloadActivations
 from .async_checkpoint import BackgroundWriter
 from .options import ModelTransforms
@@ -44,7 +49,7 @@ class ModelOptions:
         self.checkpointed = False
         try:
             if activation_checkpointing is not None:
-                apply_activation_checkpointing(model, policy=activation_checkpointing)
+                _apply_activation_checkpointing(model, activation_checkpointing)
                 self.checkpointed = True
             if compile == "regional":
                 compile_regions(model)
@@ -85,3 +90,19 @@ class ModelOptions:
                 remove_activation_checkpointing(self.model)
             if self.fp8_layers:
                 float8.unconvert(self.model)
+
+
+def _apply_activation_checkpointing(model: nn.Module, policy: str) -> None:
+    """fit's activation checkpointing of every block (or of an nn.Sequential's layers); a model with neither (an LSTM
+    over packed sequences) is refused with how to choose its parts, which fit does not take."""
+    if not find_blocks(model) and not sequential_layers(model):
+        sizes = {name: sum(p.numel() for p in child.parameters()) for name, child in model.named_children()}
+        parts = [max(sizes, key=sizes.get)] if sizes else ["..."]  # the largest part: an LSTM's recurrent layer
+        raise ValueError(
+            f"activation_checkpointing={policy!r} checkpoints a model's blocks (the children with submodules of an "
+            f"nn.Sequential or nn.ModuleList) or an nn.Sequential's layers, and {type(model).__name__} has neither. "
+            "Choose its parts yourself before fit: gk.memory.apply_activation_checkpointing(model, modules="
+            f"{parts!r}) (names from model.named_modules(), or module classes), then call fit without "
+            "activation_checkpointing: it trains the model as you checkpointed it."
+        )
+    apply_activation_checkpointing(model, policy=policy)

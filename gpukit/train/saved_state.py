@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from torch.utils.data import DataLoader, IterableDataset
 
 from .checkpoint_file import CheckpointError
@@ -194,14 +195,27 @@ def _shape(value) -> tuple:
     return tuple(getattr(value, "shape", ()))  # a module's extra state need not be a tensor
 
 
-def _check_same_model(saved: dict, model: dict, path: Path) -> None:
+def _resized_when_loaded(model: torch.nn.Module) -> set[str]:
+    """The buffers of torch's fake-quant modules and observers (quantization-aware training), whose
+    load_state_dict resizes them to the saved shape: a model prepared afresh (prepare_qat) holds them at their first
+    shape ((0,), or one scale) until its first forward, and is the same model as the one saved."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, (FakeQuantizeBase, ObserverBase))
+        for name, _ in module.named_buffers(recurse=False)
+    }
+
+
+def _check_same_model(saved: dict, model: torch.nn.Module, path: Path) -> None:
     """Refuse, before a tensor is copied, weights whose names, shapes or dtypes differ from the model's."""
+    resized, model = _resized_when_loaded(model), model.state_dict()
     differences = [f"{name} is not in the file" for name in model.keys() - saved.keys()]
     differences += [f"{name} is not in this model" for name in saved.keys() - model.keys()]
     differences += [
         f"{name} is {_shape(saved[name])} there, {_shape(tensor)} here"
         for name, tensor in model.items()
-        if name in saved and _shape(saved[name]) != _shape(tensor)
+        if name in saved and _shape(saved[name]) != _shape(tensor) and name not in resized
     ]
     if differences:
         raise CheckpointError(

@@ -221,9 +221,10 @@ class Tally:
         self.held_bytes = 0
         self.shifted_labels = shifted_labels  # tokens from labels[:, 1:]; None: decided at the first sequence batch
 
-    def add(self, batch: Batch, loss: torch.Tensor | None, outputs) -> torch.Tensor | None:
-        """One batch: its loss, and what the model returned, as it returned it (metrics get that). Returns the batch's
-        scored tokens (a 0-d tensor, for sequence data; else None), counted as `shifted_labels` says."""
+    def add(self, batch: Batch, loss: torch.Tensor | None, outputs, parts: dict | None = None) -> torch.Tensor | None:
+        """One batch: its loss and the loss's named parts (Loss.with_parts; None: the model's own, read from the
+        outputs), and what the model returned, as it returned it (metrics get that). Returns the batch's scored tokens
+        (a 0-d tensor, for sequence data; else None), counted as `shifted_labels` says."""
         first = self.accuracy is None
         if first:
             self.accuracy = self.loss.tracks_accuracy(batch, outputs)
@@ -236,7 +237,7 @@ class Tally:
         if loss is not None:
             self.sums.defer("loss", loss, size)
         alone = type(outputs) is torch.Tensor  # the prediction alone: no losses of the model's own, nothing to unpack
-        for name, part in {} if alone else loss_parts(outputs).items():
+        for name, part in (parts if parts is not None else {} if alone else loss_parts(outputs)).items():
             self.sums.defer(name, part, size)
         if self.accuracy:
             self._hold((outputs if alone else unpack_outputs(outputs)[0]).detach(), batch.target)

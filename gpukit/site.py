@@ -145,13 +145,27 @@ def shut_down(client: NotebookClient, kernel: KernelManager) -> None:
 # What an executed lesson shows
 
 
+CHECK_CALLS = ("check", "check_between", "skip_check")  # gpukit.claims: a lesson's check, one line each
+
+
 def is_check(source: str) -> bool:
-    """A check cell holds an `assert` statement (found by parsing, so a comment or a string saying "assert"
-    does not count; a cell that does not parse counts if a line starts with one)."""
+    """A check cell holds an `assert` statement or calls gk.check, gk.check_between or gk.skip_check (found by
+    parsing, so a comment or a string saying "assert" does not count; a cell that does not parse counts if a
+    line starts with one)."""
     try:
-        return any(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(source)))
+        return any(_is_check_node(node) for node in ast.walk(ast.parse(source)))
     except SyntaxError:
-        return re.search(r"^\s*assert\b", source, re.M) is not None
+        return re.search(r"^\s*(assert\b|(gk\.)?(check|check_between|skip_check)\()", source, re.M) is not None
+
+
+def _is_check_node(node: ast.AST) -> bool:
+    if isinstance(node, ast.Assert):
+        return True
+    if not isinstance(node, ast.Call):
+        return False
+    function = node.func
+    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    return name in CHECK_CALLS
 
 
 def _text(output) -> str:

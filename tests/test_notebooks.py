@@ -69,21 +69,33 @@ def sections(notebook: dict) -> list[tuple[str, list[dict]]]:
 
 
 def asserts(node: ast.AST, branched: bool = False) -> Iterator[bool]:
-    """For each assert statement under `node`: whether it sits inside an `if` (a claim checked only sometimes)."""
+    """For each assert statement or gk.check / gk.check_between call under `node` (gk.skip_check is no claim
+    checked): whether it sits inside an `if` (a claim checked only sometimes)."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.Assert):
+        if isinstance(child, ast.Assert) or is_check_call(child):
             yield branched
         yield from asserts(child, branched or isinstance(child, ast.If))
 
 
+CHECKING_CALLS = ("check", "check_between")  # gpukit.claims' helpers that check (skip_check only says it skipped)
+
+
+def is_check_call(node: ast.AST) -> bool:
+    """A call of gk.check or gk.check_between (or of the bare names)."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    return name in CHECKING_CALLS
+
+
 def is_check(cell: dict) -> bool:
     """A code cell that asserts always, or only in a branch (a GPU-only claim) when it also prints what it
-    skipped otherwise ("skipped: … needs a CUDA GPU"): never a claim dropped in silence."""
+    skipped otherwise ("skipped: … needs a CUDA GPU", or gk.skip_check): never a claim dropped in silence."""
     if cell["cell_type"] != "code":
         return False
     source = "".join(cell["source"])
     branched = list(asserts(ast.parse(source)))
-    return (False in branched) or (bool(branched) and "skipped" in source)
+    return (False in branched) or (bool(branched) and ("skipped" in source or "skip_check(" in source))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

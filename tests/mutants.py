@@ -1,14 +1,17 @@
 """Lesson mutation testing: does a lesson's check fail when the gpukit measurement it rests on is wrong?
 
 A *mutant* (tests/mutations.py) runs a lesson with one of gpukit's measurements made wrong by a known factor
-(matmul_tflops ×2, timeit ×2, the saved activations ×1.5, …). It is *killed* when a check cell of the lesson (a
+(matmul_tflops ×2, timeit ×2, the saved activations ×1.5, …), and its inverse by the other (×0.5, ×0.67): a check
+bounded on one side only survives one of the two directions, "up" (the number made larger) or "down". It is *killed* when a check cell of the lesson (a
 cell with an `assert`) fails with an AssertionError; it *survives* when the lesson passes: its claims did not
 notice. A tautology (a value checked against itself) survives by construction: both sides move together.
 Another exception is *crashed*: neither a clean kill nor a survival, reported apart. A mutant whose function the
 lesson never calls, or whose change changes nothing there (bf16 reported where it already is), is *not
 applicable*. The score is the killed share of the applicable runs.
 
-    python -m tests.mutants --lessons 00 --mutants matmul_tflops_x2 timeit_x2
+    python -m tests.mutants --lessons 00 --mutants matmul_tflops_x2 timeit      # a family: both directions
+    python -m tests.mutants --lessons 00 --direction down                      # every inverse mutant
+    python -m tests.mutants --list                                             # each mutant and what it changes
     make mutants MUTANTS_ARGS="--lessons 00 --mutants matmul_tflops_x2"
 
 Each run is a fresh Jupyter kernel (nbclient) with GPUKIT_PROFILE (tiny unless --profile), stopped at the first
@@ -17,6 +20,8 @@ mutant named in GPUKIT_MUTANT before the lesson's first cell, and notes calls in
 names; gpukit itself carries no mutation code. Each lesson first runs unmutated with every target wrapped to
 record its calls: a lesson that fails so makes its mutants' outcomes meaningless (all "baseline failed"), and a
 mutant whose function that run never called is not applicable without running again (--no-baseline runs each).
+The table has a row per mutant, its two directions one under the other, and the load average (1 min) of the machine
+at the start and end of the whole run and, per lesson, over its runs: timing checks are read against it.
 Exit status 1 where a mutant survived that KNOWN_SURVIVORS does not explain, a run crashed or a baseline failed.
 """
 
@@ -36,7 +41,7 @@ import torch
 
 from gpukit import site
 from gpukit.site import is_check
-from tests.mutations import KNOWN_SURVIVORS, MUTANTS, RECORD, Calls
+from tests.mutations import DIRECTIONS, KNOWN_SURVIVORS, MUTANTS, RECORD, Calls
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP = Path(__file__).resolve().parent / "mutant_startup"  # its sitecustomize.py applies the mutant
@@ -62,6 +67,12 @@ class Run:
     detail: str = ""  # where it was killed or crashed: "cell 12: AssertionError: …"
     seconds: float = 0.0
     calls: Calls | None = None
+    load: tuple[float, float] | None = None  # the machine's 1-minute load average at the run's start and end
+
+
+def load_average() -> float:
+    """The machine's load average over the last minute: processes running or waiting for a core."""
+    return os.getloadavg()[0]
 
 
 def first_error(notebook) -> tuple[int, str, str, bool] | None:
@@ -106,11 +117,11 @@ def run_one(path: Path, mutant: str, profile: str, cell_seconds: float = CELL_SE
             "GPUKIT_PROFILE": profile,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")])),
         }
-        started = time.perf_counter()
+        started, load = time.perf_counter(), load_average()
         notebook, stopped = execute(path, variables, cell_seconds)
         calls = Calls.read(log)
     outcome, detail = classify(notebook, stopped, mutant, calls)
-    return Run(path.stem, mutant, outcome, detail, time.perf_counter() - started, calls)
+    return Run(path.stem, mutant, outcome, detail, time.perf_counter() - started, calls, (load, load_average()))
 
 
 def machine_kind() -> str:
@@ -183,33 +194,63 @@ MARKS = {
 }
 
 
-def table(runs: Sequence[Run]) -> str:
-    """Lesson × mutant: each run's outcome, then the score, then each kill, crash and survival explained."""
+def _row_order(name: str) -> tuple[int, int]:
+    """A mutant's place in the table: its family where MUTANTS first has it, then up before down."""
+    families = list(dict.fromkeys(mutant.family for mutant in MUTANTS.values()))
+    return families.index(MUTANTS[name].family), DIRECTIONS.index(MUTANTS[name].direction)
+
+
+def _load_range(runs: Sequence[Run]) -> str:
+    loads = [value for run in runs if run.load for value in run.load]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+
+
+def _grid(runs: Sequence[Run]) -> list[str]:
+    """A row per mutant (its family named once, then "up ×2", "down ×0.5"), a column per lesson, and a last row of
+    the load average (1 min) over each lesson's runs."""
     lessons = list(dict.fromkeys(run.lesson for run in runs))
-    mutants = list(dict.fromkeys(run.mutant for run in runs))
     outcome = {(run.lesson, run.mutant): run.outcome for run in runs}
-    width = max(len(name) for name in mutants)
-    header = f"{'mutant':<{width}}  " + "  ".join(lesson_number(lesson) + " " * 14 for lesson in lessons)
-    lines = [header.rstrip()]
-    for name in mutants:
-        cells = [MARKS.get(outcome.get((lesson, name)), "-").ljust(16) for lesson in lessons]
-        lines.append(f"{name:<{width}}  " + " ".join(cells).rstrip())
-    lines += ["", score_line(runs), ""]
+    width = max([len("load (1 min)")] + [len(MUTANTS[run.mutant].family) for run in runs])
+
+    def row(first: str, direction: str, cells: list[str]) -> str:
+        return f"{first:<{width}}  {direction:<10}  " + "  ".join(f"{cell:<16}" for cell in cells).rstrip()
+
+    lines = [row("mutant", "direction", [lesson_number(lesson) for lesson in lessons])]
+    shown = None
+    for name in sorted(dict.fromkeys(run.mutant for run in runs), key=_row_order):
+        mutant = MUTANTS[name]
+        direction = mutant.direction + (f" ×{name.rpartition('_x')[2]}" if mutant.factor else "")
+        cells = [MARKS.get(outcome.get((lesson, name)), "-") for lesson in lessons]
+        lines.append(row(mutant.family if mutant.family != shown else "", direction, cells))
+        shown = mutant.family
+    loads = [_load_range([run for run in runs if run.lesson == lesson]) for lesson in lessons]
+    return lines + [row("load (1 min)", "", loads)]
+
+
+def table(runs: Sequence[Run], load: tuple[float, float] | None = None) -> str:
+    """Mutant × lesson (_grid), then the score of each direction and of all, then each kill, crash and survival
+    explained. `load`: the machine's 1-minute load average at the start and end of the whole run."""
+    lines = [f"load average (1 min): {load[0]:.1f} at the start, {load[1]:.1f} at the end"] if load else []
+    lines += _grid(runs) + [""]
+    by_direction = {way: [run for run in runs if MUTANTS[run.mutant].direction == way] for way in DIRECTIONS}
+    if all(by_direction.values()):  # both directions ran: a score for each, then for all
+        lines += [score_line(chosen, f" ({way})") for way, chosen in by_direction.items()]
+    lines += [score_line(runs), ""]
     for run in runs:
         if run.outcome == KNOWN:
-            reason = KNOWN_SURVIVORS[(lesson_number(run.lesson), run.mutant, machine_kind())]
-            lines.append(f"{run.lesson} × {run.mutant}: {run.outcome}: {reason}")
+            known = KNOWN_SURVIVORS[(lesson_number(run.lesson), run.mutant, machine_kind())]
+            lines.append(f"{run.lesson} × {run.mutant}: {run.outcome}: {known.why}; killed by {known.killed_by}")
         elif run.outcome != NOT_APPLICABLE and run.detail:
             lines.append(f"{run.lesson} × {run.mutant}: {run.outcome}: {run.detail}")
     return "\n".join(lines)
 
 
-def score_line(runs: Sequence[Run]) -> str:
+def score_line(runs: Sequence[Run], which: str = "") -> str:
     counts = {outcome: sum(run.outcome == outcome for run in runs) for outcome in MARKS}
     applicable = counts[KILLED] + counts[SURVIVED] + counts[KNOWN] + counts[CRASHED]
     share = f"{100 * counts[KILLED] / applicable:.0f}%" if applicable else "no applicable run"
     return (
-        f"score: {counts[KILLED]} killed of {applicable} applicable ({share}); {counts[SURVIVED]} survived, "
+        f"score{which}: {counts[KILLED]} killed of {applicable} applicable ({share}); {counts[SURVIVED]} survived, "
         f"{counts[KNOWN]} survived as known (*), {counts[CRASHED]} crashed, {counts[NOT_APPLICABLE]} not applicable"
         + (f", {counts[BASELINE_FAILED]} not run: the lesson failed unmutated" if counts[BASELINE_FAILED] else "")
     )
@@ -219,31 +260,57 @@ def failed(runs: Sequence[Run]) -> bool:
     return any(run.outcome in (SURVIVED, CRASHED, BASELINE_FAILED) for run in runs)
 
 
+def chosen_mutants(names: Sequence[str] | None, direction: str) -> list[str]:
+    """The mutants `names` (mutant or family names; all by default) in `direction` ("up", "down" or "both"),
+    in MUTANTS' order. Raises ValueError naming any unknown name."""
+    families = {mutant.family for mutant in MUTANTS.values()}
+    unknown = [name for name in names or [] if name not in MUTANTS and name not in families]
+    if unknown:
+        raise ValueError(
+            f"unknown mutants {', '.join(unknown)}; choose mutants or families from --list "
+            f"(e.g. timeit_x2, or timeit for both directions)."
+        )
+    wanted = set(names or MUTANTS)
+    return [
+        mutant.name
+        for mutant in MUTANTS.values()
+        if (mutant.name in wanted or mutant.family in wanted) and direction in ("both", mutant.direction)
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__.split("\n\n")[0])
     parser.add_argument("--lessons", nargs="*", help="lesson numbers or name prefixes (00 03_memory), or .ipynb paths")
-    parser.add_argument("--mutants", nargs="*", help=f"mutant names (default all): {', '.join(MUTANTS)}")
+    parser.add_argument("--mutants", nargs="*", help="mutant names (timeit_x2) or families (timeit); default all")
+    parser.add_argument("--direction", choices=[*DIRECTIONS, "both"], default="both", help="up, down or both (default)")
     parser.add_argument("--profile", default="tiny", help="GPUKIT_PROFILE of the runs (default tiny)")
     parser.add_argument("--no-baseline", action="store_true", help="run every mutant, without the unmutated run")
+    parser.add_argument("--list", action="store_true", help="print each mutant, its direction and what it changes")
     options = parser.parse_args(argv)
-    unknown = [name for name in options.mutants or [] if name not in MUTANTS]
-    if unknown:
-        parser.error(f"unknown mutants {', '.join(unknown)}; choose from {', '.join(MUTANTS)}.")
-    mutants = options.mutants or list(MUTANTS)
+    try:
+        mutants = chosen_mutants(options.mutants, options.direction)
+    except ValueError as error:
+        parser.error(str(error))
+    if options.list:
+        for name in mutants:
+            print(f"{name:<28} {MUTANTS[name].direction:<5} {MUTANTS[name].what}")
+        return 0
     lessons = find_lessons(options.lessons)
+    start_load = load_average()
     print(
         f"{len(lessons)} lessons × {len(mutants)} mutants, profile {options.profile}, on {machine_kind()}, "
-        f"started {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        f"started {datetime.datetime.now():%Y-%m-%d %H:%M} at load average {start_load:.1f} (1 min)",
         flush=True,
     )
 
     def report(run: Run) -> None:
-        print(f"  {run.lesson} × {run.mutant}: {run.outcome} ({run.seconds:.0f} s) {run.detail}", flush=True)
+        load = f", load {run.load[0]:.1f}-{run.load[1]:.1f}" if run.load else ""
+        print(f"  {run.lesson} × {run.mutant}: {run.outcome} ({run.seconds:.0f} s{load}) {run.detail}", flush=True)
 
     runs = []
     for path in lessons:
         runs += run_lesson(path, mutants, options.profile, baseline=not options.no_baseline, report=report)
-    print("\n" + table(runs))
+    print("\n" + table(runs, load=(start_load, load_average())))
     return 1 if failed(runs) else 0
 
 

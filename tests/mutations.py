@@ -1,5 +1,6 @@
 """The mutants of lesson mutation testing (tests/mutants.py runs them): each a gpukit measurement made wrong by
-a known factor, and `apply`, which patches one into this process.
+a known factor, in pairs, the number made larger ("up": ×2) and smaller ("down": ×0.5), so that a check bounded on
+one side only lets one of the two through; and `apply`, which patches one into this process.
 
 tests/mutant_startup/sitecustomize.py loads this file in a mutant run's kernel at start-up, before the lesson's
 first cell, so it imports nothing of gpukit until `apply` runs (and nothing of the runner). `apply` wraps the
@@ -26,10 +27,16 @@ RECORD = "record"  # GPUKIT_MUTANT value of the unmutated run: every target wrap
 
 @dataclass(frozen=True)
 class Mutant:
-    name: str
+    name: str  # its family and its factor: "timeit_x2"
     target: str  # "gpukit.bench:timeit", or a class's attribute: "gpukit.bench:Timing.median"
     change: Callable[[object, int], object]  # (the true result, its call's number from 0) -> the wrong result
     what: str  # what is made wrong, by which factor
+    family: str  # what a mutant shares with its inverse: "timeit"
+    direction: str  # "up": the number made larger (×2, says bf16); "down": smaller (×0.5, says no bf16)
+    factor: float | None = None  # the number's factor, where the mutant is one
+
+
+DIRECTIONS = ("up", "down")
 
 
 def _times(value, factor: float):
@@ -39,12 +46,34 @@ def _times(value, factor: float):
     return round(value * factor) if isinstance(value, int) else value * factor
 
 
+def _label(factor: float) -> str:
+    """2 -> "2", 0.5 -> "0.5", 2/3 -> "0.67", 1000 -> "1000", 0.001 -> "0.001"."""
+    return f"{factor:.0f}" if factor >= 100 else f"{factor:.2g}"
+
+
+def _pair(family: str, target: str, factor: float, change: Callable[[float], Callable], what: str) -> list[Mutant]:
+    """The mutant that makes `target`'s result wrong by `factor` and its inverse, wrong by 1 / factor: named
+    family_x2 and family_x0.5. `change(factor)` makes the change; `what` says it, with {x} for "×2" and {way} for
+    "up" or "down"."""
+    mutants = []
+    for each in (factor, 1 / factor):
+        x, way = f"×{_label(each)}", "up" if each > 1 else "down"
+        mutants.append(
+            Mutant(f"{family}_x{_label(each)}", target, change(each), what.format(x=x, way=way), family, way, each)
+        )
+    return mutants
+
+
 def _scaled(factor: float) -> Callable[[object, int], object]:
     return lambda value, call: _times(value, factor)
 
 
 def _timing_scaled(timing, factor: float):
     return dataclasses.replace(timing, times=[seconds * factor for seconds in timing.times])
+
+
+def _every_timing(factor: float) -> Callable[[object, int], object]:
+    return lambda timing, call: _timing_scaled(timing, factor)
 
 
 def _every_second_timing(factor: float) -> Callable[[object, int], object]:
@@ -60,186 +89,325 @@ def _first_contender(factor: float) -> Callable[[object, int], object]:
     return change
 
 
-def _each(change: Callable) -> Callable[[object, int], object]:
+def _each(change: Callable[[object], object]) -> Callable[[object, int], object]:
     """A change applied to each of a list's items (estimate(batch_sizes=…) returns a list)."""
     return lambda result, call: [change(item) for item in result] if isinstance(result, list) else change(result)
 
 
-def _activations_scaled(memory, factor: float = 1.5):
-    extra = round(memory.activations * (factor - 1))  # the peak holds the saved activations: it grows with them
-    return dataclasses.replace(memory, activations=memory.activations + extra, total=memory.total + extra)
+def _activations_scaled(factor: float) -> Callable[[object, int], object]:
+    def change(memory):
+        extra = round(memory.activations * (factor - 1))  # the peak holds the saved activations: it moves with them
+        return dataclasses.replace(memory, activations=memory.activations + extra, total=memory.total + extra)
+
+    return _each(change)
 
 
-def _parts_scaled(memory, factor: float = 1.5):
+def _parts_scaled(factor: float) -> Callable[[object, int], object]:
     fields = ("params", "buffers", "grads", "optimizer_state", "activations", "total")
-    return dataclasses.replace(memory, **{name: _times(getattr(memory, name), factor) for name in fields})
+    return _each(lambda memory: dataclasses.replace(memory, **{f: _times(getattr(memory, f), factor) for f in fields}))
 
 
-def _plan_row_slower(row, factor: float = 2.0):
+def _plan_row_scaled(factor: float) -> Callable[[object, int], object]:
     fields = ("step_time", "hours", "cost")  # hours and cost follow from the step time
-    return dataclasses.replace(row, **{name: _times(getattr(row, name), factor) for name in fields})
+    return lambda row, call: dataclasses.replace(row, **{name: _times(getattr(row, name), factor) for name in fields})
 
 
-def _with_bf16(env, call: int):
-    return env if env.bf16 else dataclasses.replace(env, bf16=True)
+def _allreduce_rows_scaled(factor: float) -> Callable[[object, int], object]:
+    def row_scaled(row: dict) -> dict:
+        # The bandwidths are bytes / seconds: they follow the time, by 1 / factor.
+        rates = {name: row[name] / factor for name in ("algorithm_GBps", "bus_GBps")}
+        return {**row, "seconds": row["seconds"] * factor, **rates}
 
+    return lambda rows, call: [row_scaled(row) for row in rows]
+
+
+def _energy_scaled(factor: float) -> Callable[[object, int], object]:
+    def change(segment, call: int):
+        # A unit slip in reading the energy counter (mJ and J confused). From RAPL the mean power is that energy /
+        # seconds, so it moves too; from NVML it is sampled apart, and stays.
+        power = segment.mean_power_w
+        if segment.energy_source == "RAPL":
+            power = _times(power, factor)
+        return dataclasses.replace(segment, energy_j=_times(segment.energy_j, factor), mean_power_w=power)
+
+    return change
+
+
+def _says_bf16(bf16: bool) -> Callable[[object, int], object]:
+    return lambda env, call: env if env.bf16 == bf16 else dataclasses.replace(env, bf16=bf16)
+
+
+TIMING = ("timeit", "timeit_second", "compare_first", "timing_median")  # families that make gk.bench's times wrong
 
 MUTANTS = {
     mutant.name: mutant
     for mutant in [
-        Mutant(
-            "timeit_x2",
+        *_pair(
+            "timeit",
             "gpukit.bench:timeit",
-            lambda t, call: _timing_scaled(t, 2.0),
-            "every Timing gk.bench.timeit returns ×2 (so also compare's and matmul_tflops' timings)",
+            2.0,
+            _every_timing,
+            "every Timing gk.bench.timeit returns {x} (so also compare's and matmul_tflops' timings)",
         ),
-        Mutant(
-            "timeit_second_x2",
+        *_pair(
+            "timeit_second",
             "gpukit.bench:timeit",
-            _every_second_timing(2.0),
-            "every second gk.bench.timeit call's Timing ×2: the second of two contenders timed in turn",
+            2.0,
+            _every_second_timing,
+            "every second gk.bench.timeit call's Timing {x}: the second of two contenders timed in turn",
         ),
-        Mutant(
-            "compare_first_x2",
+        *_pair(
+            "compare_first",
             "gpukit.bench:compare",
-            _first_contender(2.0),
-            "gk.bench.compare: the first contender's Timing ×2",
+            2.0,
+            _first_contender,
+            "gk.bench.compare: the first contender's Timing {x}",
         ),
-        Mutant("timing_median_x2", "gpukit.bench:Timing.median", _scaled(2.0), "Timing.median ×2"),
-        Mutant("matmul_tflops_x2", "gpukit.bench:matmul_tflops", _scaled(2.0), "gk.bench.matmul_tflops ×2"),
-        Mutant("flops_per_step_x2", "gpukit.bench:flops_per_step", _scaled(2.0), "gk.bench.flops_per_step ×2"),
-        Mutant("mfu_x2", "gpukit.bench:mfu", _scaled(2.0), "gk.bench.mfu ×2"),
-        Mutant(
-            "estimate_activations_x1.5",
+        *_pair("timing_median", "gpukit.bench:Timing.median", 2.0, _scaled, "Timing.median {x}"),
+        *_pair("matmul_tflops", "gpukit.bench:matmul_tflops", 2.0, _scaled, "gk.bench.matmul_tflops {x}"),
+        *_pair("flops_per_step", "gpukit.bench:flops_per_step", 2.0, _scaled, "gk.bench.flops_per_step {x}"),
+        *_pair("mfu", "gpukit.bench:mfu", 2.0, _scaled, "gk.bench.mfu {x}"),
+        *_pair(
+            "estimate_activations",
             "gpukit.memory.prediction:estimate",
-            _each(_activations_scaled),
-            "gk.memory.estimate: saved activations ×1.5, the predicted peak up by as many bytes",
+            1.5,
+            _activations_scaled,
+            "gk.memory.estimate: saved activations {x}, the predicted peak {way} by as many bytes",
         ),
-        Mutant(
-            "saved_bytes_x1.5", "gpukit.memory.autograd_hooks:saved_bytes", _scaled(1.5), "gk.memory.saved_bytes ×1.5"
-        ),
-        Mutant(
-            "breakdown_parts_x1.5",
+        *_pair("saved_bytes", "gpukit.memory.autograd_hooks:saved_bytes", 1.5, _scaled, "gk.memory.saved_bytes {x}"),
+        *_pair(
+            "breakdown_parts",
             "gpukit.memory.measuring:breakdown",
-            _each(_parts_scaled),
-            "gk.memory.breakdown: every part (parameters, gradients, optimizer state, activations) and the peak ×1.5",
+            1.5,
+            _parts_scaled,
+            "gk.memory.breakdown: every part (parameters, gradients, optimizer state, activations) and the peak {x}",
         ),
-        Mutant(
-            "optimizer_state_bytes_x1.5",
+        *_pair(
+            "optimizer_state_bytes",
             "gpukit.memory.prediction:optimizer_state_bytes",
-            _scaled(1.5),
-            "gk.memory.optimizer_state_bytes ×1.5",
+            1.5,
+            _scaled,
+            "gk.memory.optimizer_state_bytes {x}",
         ),
-        Mutant(
-            "history_throughput_x0.5",
+        *_pair(
+            "history_throughput",
             "gpukit.train.history:History.samples_per_second",
-            _scaled(0.5),
-            "History.samples_per_second (and images_per_second, read from it) ×0.5",
+            0.5,
+            _scaled,
+            "History.samples_per_second (and images_per_second, read from it) {x}",
         ),
-        Mutant(
-            "history_tokens_x0.5",
+        *_pair(
+            "history_tokens",
             "gpukit.train.history:History.tokens_per_second",
-            _scaled(0.5),
-            "History.tokens_per_second ×0.5",
+            0.5,
+            _scaled,
+            "History.tokens_per_second {x}",
         ),
-        Mutant(
-            "allreduce_x2",
+        *_pair(
+            "ring_allreduce_time",
             "gpukit.distributed.costmodel:ring_allreduce_time",
-            _scaled(2.0),
-            "the ring all-reduce cost model's seconds ×2",
+            2.0,
+            _scaled,
+            "the ring all-reduce cost model's seconds {x}",
         ),
-        Mutant(
-            "plan_step_time_x2",
+        *_pair(
+            "allreduce_benchmark",
+            "gpukit.distributed.scaling:allreduce_benchmark",
+            2.0,
+            _allreduce_rows_scaled,
+            "gk.distributed.scaling.allreduce_benchmark: each message size's seconds {x} (its bandwidths follow)",
+        ),
+        *_pair(
+            "plan_step_time",
             "gpukit.hardware.planning:_row",
-            lambda row, call: _plan_row_slower(row),
-            "gk.hardware.plan: each GPU's predicted step time ×2 (and the hours and cost that follow)",
+            2.0,
+            _plan_row_scaled,
+            "gk.hardware.plan: each GPU's predicted step time {x} (and the hours and cost that follow)",
         ),
-        Mutant("detect_bf16", "gpukit.env:detect", _with_bf16, "gk.detect() says bf16 where there is none"),
+        *_pair(
+            "monitor_energy",
+            "gpukit.hardware.monitor:Monitor.lap",
+            1000.0,
+            _energy_scaled,
+            "Monitor.lap's energy_j {x}, a unit error (so fit(monitor=True)'s energy_j, joules_per_sample and "
+            "co2_grams; RAPL's mean power, computed from it)",
+        ),
+        *[
+            Mutant(
+                name=f"detect_{'' if bf16 else 'no_'}bf16",
+                target="gpukit.env:detect",
+                change=_says_bf16(bf16),
+                what=f"gk.detect() says {'bf16 where there is none' if bf16 else 'no bf16 where there is'}",
+                family="detect_bf16",
+                direction="up" if bf16 else "down",
+            )
+            for bf16 in (True, False)
+        ],
     ]
 }
 
-# (lesson number, mutant, "cpu" or "cuda": the machine's kind) -> why the lesson cannot kill that mutant there (a
-# GPU-only claim on a CPU); it is killed on the other kind, or listed for both kinds where no claim of the lesson
-# can notice it on any machine (the reason says why). The table says "survived (known)"; the run does not fail.
+
+def family(name: str) -> list[str]:
+    """The names of the mutants of the family `name`: both directions."""
+    return [mutant.name for mutant in MUTANTS.values() if mutant.family == name]
+
+
+@dataclass(frozen=True)
+class Known:
+    """Why a lesson cannot kill a mutant on one kind of machine, and where the same mutant is killed."""
+
+    why: str
+    killed_by: (
+        str  # the machine kind (or profile), the lesson and the check that kills it: "cuda: lesson 10, cell 6 (…)"
+    )
+
+
+def _both(*families: str) -> list[str]:
+    """The mutants of `families`, both directions."""
+    return [name for each in families for name in family(each)]
+
+
+# (lesson number, mutant, "cpu" or "cuda": the machine's kind) -> Known: why the lesson cannot kill that mutant there
+# (a GPU-only claim on a CPU, or a claim the mutant moves in its own favour), and where it is killed: on the other kind,
+# or by another lesson's check of the same measurement. The table says "survived (known)"; the run does not fail.
+# A check left one-sided survives its inverse: that is no reason to list here, but a check to bound on both sides.
 KINDS = ("cpu", "cuda")
-KNOWN_SURVIVORS: dict[tuple[str, str, str], str] = {
+BY_HAND_ANYWHERE = (
+    "any machine: lesson 01, cell 15 (each gk.bench.compare time against a hand clock around the same call)"
+)
+FIT_RATE_BY_HAND = (
+    "any machine: lesson 01, cell 32, lesson 02, cell 8 and lesson 06, cell 24 (fit's rate against samples counted "
+    "over a hand-timed span)"
+)
+KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
     # Lesson 08 times optimizer steps with gk.bench only in section 3, whose step-time column is shown, not asserted,
     # on every machine (its models stay on the CPU even with a GPU). A check against the same step timed by hand, by
     # the thread's CPU time, in the same rounds, had no margin on a loaded 2-core machine: unmutated, gk.bench ÷ hand
     # was 0.79-1.48 over 6 trials at load 9-12 (2026-11-28), where a 2x timer gives 1.57-2.6.
     **{
-        ("08", mutant, kind): "lesson 08's step times (section 3) are shown, not asserted: too noisy to check here"
-        for mutant in ("timeit_x2", "timeit_second_x2", "compare_first_x2", "timing_median_x2")
-        for kind in ("cpu", "cuda")
+        ("08", mutant, kind): Known(
+            "lesson 08's step times (section 3) are shown, not asserted: too noisy to check here", BY_HAND_ANYWHERE
+        )
+        for mutant in _both(*TIMING)
+        for kind in KINDS
     },
     # Lesson 10 asserts its step times only on a GPU (cell 6: checkpointing costs time, and gk.bench's CUDA-event
     # median of the plain step against the wall clock over 10 steps; cell 25: CUDA graphs beat eager). On a CPU the
     # times are shown, and its one timing check there (cell 25: 200 launches cost more than one fused operator, 29x
-    # apart in the 2026-11-28 run) is a ratio no 2x error flips. Killed on a GPU (expected, not yet run there):
-    # timeit_x2 and timing_median_x2 by cell 6's wall-clock check; compare_first_x2 (the plain step 2x) by cell 6's
-    # "selective costs time" check as long as selective costs under 2x a plain step there; timeit_second_x2 only if
-    # the doubled calls fall on the plain step or on the CUDA-graph step (cells 6, 25): not counted as killed.
+    # apart in the 2026-11-28 run) is a ratio no 2x error flips. Expected killed on a GPU (not yet run there):
+    # timeit and timing_median by cell 6's wall-clock check; compare_first ×2 (the plain step 2x) by cell 6's
+    # "selective costs time" check as long as selective costs under 2x a plain step there; timeit_second only if the
+    # changed calls fall on the plain step or on the CUDA-graph step (cells 6, 25): it is named by lesson 01 instead.
     **{
-        ("10", mutant, "cpu"): "lesson 10 asserts step times only on a GPU (cells 6 and 25); on a CPU they are shown"
-        for mutant in ("timeit_x2", "timeit_second_x2", "compare_first_x2", "timing_median_x2")
+        ("10", mutant, "cpu"): Known(
+            "lesson 10 asserts step times only on a GPU (cells 6 and 25); on a CPU they are shown",
+            "cuda: lesson 10, cell 6 (gk.bench's CUDA-event median against the wall clock over 10 steps); "
+            + BY_HAND_ANYWHERE,
+        )
+        for mutant in _both(*TIMING)
     },
     # Lesson 09's first contender in each gk.bench.compare is NCHW (cell 5) or a batch of one (cell 16, through
     # gk.inference.measure). Doubling it moves every claim the lesson makes in the claim's own favour: channels_last
     # not slower than NCHW (cell 7, a GPU only), a batch of one faster than the largest and the largest's throughput
     # gain > 1.5x (cell 20). Cell 20's check against a hand-timed forward uses the largest batch, whose timing this
     # mutant leaves alone; at a batch of one the hand timing spread 0.71-1.21x (2026-11-28, load 9): no room for 2x.
-    **{("09", "compare_first_x2", kind): "it moves each of lesson 09's timing claims in its favour" for kind in KINDS},
-    # Lesson 09 reads History throughput only as the ratio compiled / eager (cell 10, asserted on a GPU only), which a
-    # ×0.5 of every History's samples_per_second leaves unchanged, on any machine. Against gk.bench's step of the
-    # same model, fit's wall-clock steps would be the check, too noisy on a loaded CPU (lesson 08's note above).
-    **{("09", "history_throughput_x0.5", kind): "lesson 09 reads throughput only as a ratio" for kind in KINDS},
-    # Lesson 07's plan has a row per GPU of the table and none for a CPU, so on a CPU no check can compare a row with
-    # a step measured here. On a GPU of the table, cell 15 checks that the plan's row for it (a roofline: the
-    # per-example part of the measured line, at the datasheet peak) is at most the measured step (+ the check's
-    # bound): it kills a 2x row where that part is over ~(1 + bound) / 2 of the step, e.g. 62% at a 25% bound, not
-    # on a launch-bound small step (not run on a GPU yet).
-    ("07", "plan_step_time_x2", "cpu"): "lesson 07's plan has no row for a CPU: a row is checked on a GPU (cell 15)",
-    # On a CPU, gk.hardware.plan reads this machine's peak from gk.bench.matmul_tflops: 2x halves the MFU and so
-    # doubles every GPU row's compute roof, as plan_step_time_x2 does, and as there no row is for the CPU. On a GPU of
-    # the table plan takes the datasheet's peak and never calls it (not applicable there).
-    ("07", "matmul_tflops_x2", "cpu"): "only the GPU rows move, and none is for a CPU; a GPU uses the datasheet peak",
-    # plan measures the MFU as FLOPs per example / seconds per example / peak and predicts each GPU's compute roof as
-    # FLOPs / (peak x MFU): the FLOPs cancel, so 2x FLOPs doubles only the MFU the lesson prints, on any machine. The
-    # FLOP count itself is checked by lesson 00 (the FLOP counter against a formula per convolution).
     **{
-        ("07", "flops_per_step_x2", kind): "the FLOPs cancel in every row: only the printed MFU moves" for kind in KINDS
+        ("09", "compare_first_x2", kind): Known(
+            "it moves each of lesson 09's timing claims in its favour", BY_HAND_ANYWHERE
+        )
+        for kind in KINDS
+    },
+    # Lesson 09 reads History throughput only as the ratio compiled / eager (cell 10, asserted on a GPU only), which
+    # scaling every History's samples_per_second leaves unchanged, on any machine. Against gk.bench's step of the
+    # same model, fit's wall-clock steps would be the check, too noisy on a loaded CPU (lesson 08's note above).
+    **{
+        ("09", mutant, kind): Known("lesson 09 reads throughput only as a ratio", FIT_RATE_BY_HAND)
+        for mutant in _both("history_throughput")
+        for kind in KINDS
+    },
+    # Lesson 07's plan has a row per GPU of the table and none for a CPU, so on a CPU no check can compare a row with
+    # a step measured here. On a GPU of the table, cell 15 checks the plan's row for it (a roofline: the per-example
+    # part of the measured line, at the datasheet peak) against the measured step: it kills a 2x row where that part
+    # is over ~(1 + bound) / 2 of the step, e.g. 62% at a 25% bound, not on a launch-bound small step (not run on a
+    # GPU yet).
+    **{
+        ("07", mutant, "cpu"): Known(
+            "lesson 07's plan has no row for a CPU",
+            "cuda, a GPU of the plan's table: lesson 07, cell 15 (its row against the step measured there)",
+        )
+        for mutant in _both("plan_step_time")
+    },
+    # On a CPU, gk.hardware.plan reads this machine's peak from gk.bench.matmul_tflops: it scales the MFU and so every
+    # GPU row's compute roof, as plan_step_time does, and as there no row is for the CPU. On a GPU of the table plan
+    # takes the datasheet's peak and never calls it (not applicable there).
+    **{
+        ("07", mutant, "cpu"): Known(
+            "only the GPU rows move, and none is for a CPU; a GPU uses the datasheet peak",
+            "any machine: lesson 00, cell 29 (gk.bench's matmul rate against a hand-timed one)",
+        )
+        for mutant in _both("matmul_tflops")
+    },
+    # plan measures the MFU as FLOPs per example / seconds per example / peak and predicts each GPU's compute roof as
+    # FLOPs / (peak x MFU): the FLOPs cancel, so scaled FLOPs move only the MFU the lesson prints, on any machine.
+    **{
+        ("07", mutant, kind): Known(
+            "the FLOPs cancel in every row: only the printed MFU moves",
+            "any machine: lesson 00, cell 23 and lesson 03, cell 29 (the FLOP counter against a count by hand)",
+        )
+        for mutant in _both("flops_per_step")
+        for kind in KINDS
     },
     # plan's first contender is the step at an eighth of the batch. Its line predicts the full batch as
-    # 1.4 t(3/4) - 0.4 t(1/8) (calibration_sizes), so doubling t(1/8) lowers the prediction by 0.4 t(1/8) / t(1): on
-    # a CPU, where a step's time grows with its batch, a few percent, inside cell 15's 25% bound. On a GPU cell 15
-    # kills it where t(1/8) is over ~63% of t(1) (a launch-bound step, as small models' are there); not run on a GPU.
-    ("07", "compare_first_x2", "cpu"): "the small calibration batch weighs -0.4x in the line: a few % on a CPU",
-    # A timer 2x slow everywhere: on a CPU plan's line and the step it predicts are both timed by it (cell 15's
-    # error is a ratio), and so are the steps and the peak of the MFU (a ratio too); nothing else is checked there.
-    # On a GPU with NVML cell 22 kills it: the monitor's samples per block (a 10 Hz thread, the wall clock) against
-    # the block's gk.bench time / 0.1 s fall to half, under the 0.8 the check asks (not run on a GPU yet).
+    # 1.4 t(3/4) - 0.4 t(1/8) (calibration_sizes), so scaling t(1/8) by 2 or 0.5 moves the prediction by 0.4 or
+    # 0.2 t(1/8) / t(1): on a CPU, where a step's time grows with its batch, a few percent, inside cell 15's 25% bound.
+    # On a GPU cell 15 kills ×2 where t(1/8) is over ~63% of t(1) (a launch-bound step); not run on a GPU.
     **{
-        ("07", mutant, "cpu"): "on a CPU lesson 07 reads gk.bench's times only as ratios; a GPU's cell 22 kills it"
-        for mutant in ("timeit_x2", "timing_median_x2")
+        ("07", mutant, "cpu"): Known(
+            "the small calibration batch weighs -0.4x in the line: a few % on a CPU", BY_HAND_ANYWHERE
+        )
+        for mutant in _both("compare_first")
+    },
+    # A timer wrong everywhere: on a CPU plan's line and the step it predicts are both timed by it (cell 15's error is
+    # a ratio), and so are the steps and the peak of the MFU (a ratio too); nothing else is checked there. On a GPU
+    # with NVML cell 22 compares the monitor's samples per block (a 10 Hz thread, the wall clock) with the block's
+    # gk.bench time / 0.1 s: ×2 halves that ratio, under the 0.8 the check asks (not run on a GPU yet).
+    **{
+        ("07", mutant, "cpu"): Known(
+            "on a CPU lesson 07 reads gk.bench's times only as ratios",
+            "cuda with NVML: lesson 07, cell 22 (the monitor's samples per block against gk.bench's block time); "
+            + BY_HAND_ANYWHERE,
+        )
+        for mutant in _both("timeit", "timing_median")
     },
     # plan times its three batch sizes interleaved (compare: 1/8, 3/4, all, 1/8, ...) after one timeit of the peak,
     # so every second call falls on each of the three in turn: their medians move alike, and so do the line's
-    # prediction and the measured step. On a GPU, cell 22 (monitor on / off, 4 contenders) kills it only if the
-    # doubled calls are the monitored blocks': not claimed.
-    ("07", "timeit_second_x2", "cpu"): "every second call falls on each calibration step alike: the line moves whole",
+    # prediction and the measured step.
+    **{
+        ("07", mutant, "cpu"): Known(
+            "every second call falls on each calibration step alike: the line moves whole", BY_HAND_ANYWHERE
+        )
+        for mutant in _both("timeit_second")
+    },
     # Lesson 03 checks gk.bench's times only on a CPU (cell 32: each contender's median against the same step timed by
     # hand in the same rounds, within 1.4x; measured 0.93-1.08 on 2026-11-28, a 2x timer gives ~2). On a GPU it shows
     # them: gk.bench times a step by CUDA events, and whether the lesson's batch is compute-bound there depends on the
-    # GPU. Killed on a CPU by cell 32.
+    # GPU.
     **{
-        ("03", mutant, "cuda"): "lesson 03 checks gk.bench's times on a CPU (cell 32, by hand); a GPU shows them"
-        for mutant in ("timeit_x2", "timeit_second_x2", "compare_first_x2", "timing_median_x2")
+        ("03", mutant, "cuda"): Known(
+            "lesson 03 checks gk.bench's times on a CPU only; a GPU shows them",
+            "cpu: lesson 03, cell 32 (each contender's median against the same step timed by hand); "
+            + BY_HAND_ANYWHERE,
+        )
+        for mutant in _both(*TIMING)
     },
     # Lesson 05 runs `gpukit train` jobs, which print images_per_second (History.samples_per_second): tiny jobs sharing
     # the machine's cores, shown, not checked (the lesson says so in section 1); its claims are about results (parameters
     # and losses bit for bit, exit codes, commands), never speed, on any machine.
     **{
-        ("05", "history_throughput_x0.5", kind): "lesson 05 shows the jobs' images/s, and claims nothing about speed"
+        ("05", mutant, kind): Known(
+            "lesson 05 shows the jobs' images/s, and claims nothing about speed", FIT_RATE_BY_HAND
+        )
+        for mutant in _both("history_throughput")
         for kind in KINDS
     },
 }
@@ -311,8 +479,9 @@ def _wrapped(original: Callable, target: str, mutant: Mutant | None, log: CallLo
 
 
 def _patch(target: str, mutant: Mutant | None, log: CallLog) -> list[tuple[object, str, object]]:
-    """Wrap `target` where it is defined and wherever a loaded gpukit module holds it (`from .bench import
-    timeit` made a name of its own); modules imported later take the wrapped one. Returns what to undo."""
+    """Wrap `target`: a class's property or method on its class; a module's function where it is defined and
+    wherever a loaded gpukit module holds it (`from .bench import timeit` made a name of its own); modules
+    imported later take the wrapped one. Returns what to undo."""
     holder, attribute = _resolve(target)
     original = vars(holder)[attribute]
     if isinstance(original, property):
@@ -320,6 +489,9 @@ def _patch(target: str, mutant: Mutant | None, log: CallLog) -> list[tuple[objec
         setattr(holder, attribute, replacement)
         return [(holder, attribute, original)]
     replacement = _wrapped(original, target, mutant, log)
+    if isinstance(holder, type):  # a method (Monitor.lap): every instance looks it up on the class
+        setattr(holder, attribute, replacement)
+        return [(holder, attribute, original)]
     undo = []
     for name, module in list(sys.modules.items()):
         if module is not None and (name == "gpukit" or name.startswith("gpukit.")):

@@ -2,18 +2,24 @@
 by its factor where lessons call it (gk.…), is undone, and a run is classified honestly: a tautology survives, a
 real check kills, a notebook that never calls the function is not applicable, another exception is a crash."""
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import math
+import tempfile
+from pathlib import Path
+from unittest import mock
 
 import nbformat
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gpukit as gk
 from tests import mutants
-from tests.mutations import MUTANTS, RECORD, CallLog, Calls, apply, undo
+from tests.mutations import KINDS, KNOWN_SURVIVORS, MUTANTS, RECORD, CallLog, Calls, Known, apply, family, undo
 
 
 @pytest.fixture
@@ -60,21 +66,108 @@ def test_every_mutant_names_a_target_that_exists():
             holder = getattr(holder, part)  # raises where a rename left the mutant pointing at nothing
 
 
-@pytest.mark.parametrize(
-    "name, measure, factor",
-    [
-        ("matmul_tflops_x2", lambda: gk.bench.matmul_tflops("cpu", "fp32", 8, repeats=1, clock=one_second()), 2.0),
-        ("flops_per_step_x2", lambda: gk.bench.flops_per_step(tiny_model(), tiny_batch()), 2.0),
-        ("mfu_x2", lambda: gk.bench.mfu(1e12, 0.5, 4.0), 2.0),
-        ("saved_bytes_x1.5", lambda: gk.memory.saved_bytes(tiny_model(), tiny_batch(), device="cpu"), 1.5),
-        ("optimizer_state_bytes_x1.5", lambda: gk.memory.optimizer_state_bytes(tiny_model(), "adamw"), 1.5),
-        ("allreduce_x2", lambda: gk.distributed.costmodel.ring_allreduce_time(1e6, 4, 1e9, 1e-5), 2.0),
-        ("timing_median_x2", lambda: gk.bench.Timing([1.0, 2.0, 3.0]).median, 2.0),
-    ],
-)
-def test_a_number_is_made_wrong_by_its_factor_where_lessons_call_it(name, measure, factor, applied):
-    true, wrong, log = measured(name, measure, applied)
-    assert wrong == pytest.approx(factor * true, rel=0.01), (true, wrong)
+def test_every_mutant_has_its_inverse_and_says_its_factor():
+    for name in {mutant.family for mutant in MUTANTS.values()}:
+        pair = [MUTANTS[each] for each in family(name)]
+        assert sorted(mutant.direction for mutant in pair) == ["down", "up"], name
+        if pair[0].factor is not None:
+            assert pair[0].factor * pair[1].factor == pytest.approx(1.0), name
+            for mutant in pair:
+                label = mutant.name.rpartition("_x")[2]
+                assert float(label) == pytest.approx(mutant.factor, rel=0.01) and f"×{label}" in mutant.what, mutant
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A gloo process group of this process alone (what a launched worker has, with one rank)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_row() -> dict:
+    # Every timed call takes 1 s by a clock of its own, so both runs read the same seconds.
+    timed = functools.partial(gk.bench.timeit, clock=one_second())
+    with one_rank_group(), mock.patch.object(gk.distributed.scaling, "timeit", timed):
+        return gk.distributed.scaling.allreduce_benchmark([1024], repeats=2, warmup=0)[0]
+
+
+def rapl_energy() -> gk.hardware.monitor.Segment:
+    """A lap of a CPU monitor over fake RAPL counters: 3 J between start and lap."""
+    with tempfile.TemporaryDirectory(prefix="gpukit-test-rapl-") as root:
+        zone = Path(root) / "intel-rapl:0"
+        zone.mkdir()
+        (zone / "max_energy_range_uj").write_text("1000000000\n")
+        (zone / "energy_uj").write_text("1000000\n")
+        monitor = gk.hardware.Monitor("cpu", rapl_root=root).start()
+        (zone / "energy_uj").write_text("4000000\n")
+        segment = monitor.lap()
+        monitor.close()
+        return segment
+
+
+def history() -> gk.History:
+    steps = [{"samples_per_second": 100.0, "tokens_per_second": 800.0, "step_time": 0.1}] * 3
+    return gk.History(steps=steps, sample_name="image")
+
+
+def plan_row():
+    # plan() looks _row up in its module for each GPU: the wrapped one (a whole plan takes ~20 s here).
+    planning = gk.hardware.planning
+    work = {"flops": 10**12, "traffic": 10**9, "kernels": 100, "mfu": 0.5, "steps": 1000}
+    return planning._row(planning.get_gpu("H100 SXM"), 10**10, 10**9, 64, 2.0, "bf16-mixed", **work)
+
+
+def timed_twice() -> tuple:
+    clock = one_second()
+    return tuple(gk.bench.timeit(lambda: None, device="cpu", warmup=0, repeats=2, clock=clock) for _ in "ab")
+
+
+def compared() -> dict:
+    return gk.bench.compare({"a": lambda: None, "b": lambda: None}, warmup=0, repeats=2, clock=one_second())
+
+
+PARTS = ("params", "grads", "optimizer_state", "activations", "total")
+# family -> (what to measure, the numbers in it that its mutants scale by their factor). Calls outside the
+# numbers read stay true: tested below for the every-second-call, first-contender and estimate mutants.
+MEASURES = {
+    "timeit": (
+        lambda: gk.bench.timeit(lambda: None, device="cpu", warmup=0, repeats=2, clock=one_second()),
+        lambda timing: timing.times,
+    ),
+    "timeit_second": (timed_twice, lambda timings: timings[1].times),
+    "compare_first": (compared, lambda timings: timings["a"].times),
+    "timing_median": (lambda: gk.bench.Timing([1.0, 2.0, 3.0]).median, lambda median: [median]),
+    "matmul_tflops": (lambda: gk.bench.matmul_tflops("cpu", "fp32", 8, repeats=1, clock=one_second()), lambda r: [r]),
+    "flops_per_step": (lambda: gk.bench.flops_per_step(tiny_model(), tiny_batch()), lambda flops: [flops]),
+    "mfu": (lambda: gk.bench.mfu(1e12, 0.5, 4.0), lambda mfu: [mfu]),
+    "estimate_activations": (lambda: gk.memory.estimate(tiny_model(), tiny_batch()), lambda m: [m.activations]),
+    "saved_bytes": (lambda: gk.memory.saved_bytes(tiny_model(), tiny_batch(), device="cpu"), lambda b: [b]),
+    "breakdown_parts": (
+        lambda: gk.memory.breakdown(tiny_model(), tiny_batch(), device="cpu"),
+        lambda memory: [getattr(memory, part) for part in PARTS],
+    ),
+    "optimizer_state_bytes": (lambda: gk.memory.optimizer_state_bytes(tiny_model(), "adamw"), lambda b: [b]),
+    "history_throughput": (history, lambda h: [h.samples_per_second, h.images_per_second]),
+    "history_tokens": (history, lambda h: [h.tokens_per_second]),
+    "ring_allreduce_time": (lambda: gk.distributed.costmodel.ring_allreduce_time(1e6, 4, 1e9, 1e-5), lambda s: [s]),
+    # seconds × factor, so the algorithm bandwidth (bytes / seconds) ÷ factor; one rank has no bus bandwidth
+    "allreduce_benchmark": (allreduce_row, lambda row: [row["seconds"], 1 / row["algorithm_GBps"]]),
+    "plan_step_time": (plan_row, lambda row: [row.step_time, row.hours, row.cost]),
+    "monitor_energy": (rapl_energy, lambda segment: [segment.energy_j]),
+}
+
+
+@pytest.mark.parametrize("name", [name for name, mutant in MUTANTS.items() if mutant.factor is not None])
+def test_a_number_is_made_wrong_by_its_factor_where_lessons_call_it(name, applied):
+    measure, numbers = MEASURES[MUTANTS[name].family]
+    # Read before the mutant is applied: a History's throughput is a property, read when asked.
+    true, wrong, log = measured(name, lambda: numbers(measure()), applied)
+    assert all(true), (name, true)  # a zero would pass any factor
+    factor = MUTANTS[name].factor
+    assert wrong == pytest.approx([factor * number for number in true], rel=0.01, abs=1e-12)
     assert f"changed {name}" in log.lines
 
 
@@ -85,57 +178,62 @@ def test_the_patch_is_undone(applied):
     undo(patches)
     assert gk.bench.flops_per_step(tiny_model(), tiny_batch()) == true
     assert gk.memory.estimate is gk.memory.prediction.estimate  # untouched by another mutant's patch
+    lap = vars(gk.hardware.Monitor)["lap"]
+    undo(apply("monitor_energy_x1000", CallLog()))  # a method: patched on its class, and put back there
+    assert vars(gk.hardware.Monitor)["lap"] is lap
 
 
-def test_timeit_mutants_slow_all_calls_every_second_call_or_the_first_contender(applied):
-    clock = one_second()
-    applied("timeit_second_x2")
-    first, second = (gk.bench.timeit(lambda: None, device="cpu", warmup=0, repeats=2, clock=clock) for _ in "ab")
-    assert (first.median, second.median) == (1.0, 2.0)
-    applied("compare_first_x2")  # on top: compare's own timeit calls alternate, the first contender doubles
-    timings = gk.bench.compare({"a": lambda: None, "b": lambda: None}, warmup=0, repeats=2, clock=clock)
-    assert timings["a"].times == [2.0, 2.0] and timings["b"].times == [2.0, 2.0], timings
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_timeit_mutants_change_every_second_call_or_the_first_contender_alone(factor, applied):
+    label = "2" if factor == 2 else "0.5"
+    applied(f"timeit_second_x{label}")
+    assert [timing.median for timing in timed_twice()] == [1.0, factor]
+    applied(f"compare_first_x{label}")  # on top: compare's own timeit calls alternate, the first contender changes
+    timings = compared()
+    assert timings["a"].times == [factor, factor] and timings["b"].times == [factor, factor], timings
 
 
-def test_memory_mutants_change_the_parts_they_name(applied):
-    model, batch = tiny_model(), tiny_batch()
-    true, wrong, log = measured("estimate_activations_x1.5", lambda: gk.memory.estimate(model, batch), applied)
-    extra = round(true.activations * 0.5)
-    assert true.activations > 0 and (wrong.activations, wrong.total) == (true.activations + extra, true.total + extra)
-    true, wrong, _ = measured("breakdown_parts_x1.5", lambda: gk.memory.breakdown(model, batch, device="cpu"), applied)
-    for part in ("params", "grads", "optimizer_state", "activations", "total"):
-        assert getattr(wrong, part) == round(1.5 * getattr(true, part)), part
+@pytest.mark.parametrize("name", family("estimate_activations"))
+def test_estimate_mutants_move_the_peak_by_the_activations_bytes(name, applied):
+    true, wrong, _ = measured(name, MEASURES["estimate_activations"][0], applied)
+    assert wrong.total - true.total == wrong.activations - true.activations != 0
 
 
-def test_history_throughput_mutants(applied):
-    steps = [{"samples_per_second": 100.0, "tokens_per_second": 800.0, "step_time": 0.1}] * 3
-    history = gk.History(steps=steps, sample_name="image")
-    applied("history_throughput_x0.5")
-    applied("history_tokens_x0.5")
-    assert (history.samples_per_second, history.images_per_second, history.tokens_per_second) == (50, 50, 400)
+def test_allreduce_benchmark_mutants_move_both_bandwidths_with_the_time():
+    row = {"bytes": 4096, "seconds": 2.0, "algorithm_GBps": 4.0, "bus_GBps": 6.0}
+    assert MUTANTS["allreduce_benchmark_x2"].change([row], 0) == [
+        {**row, "seconds": 4.0, "algorithm_GBps": 2.0, "bus_GBps": 3.0}
+    ]
+    assert MUTANTS["allreduce_benchmark_x0.5"].change([row], 0)[0]["bus_GBps"] == 12.0
 
 
-def test_plan_step_time_mutant_slows_each_gpu_row(applied):
-    # plan() looks _row up in its module for each GPU: the wrapped one (a whole plan takes ~20 s here).
-    planning = gk.hardware.planning
-    work = {"flops": 10**12, "traffic": 10**9, "kernels": 100, "mfu": 0.5, "steps": 1000}
-    true, wrong, log = measured(
-        "plan_step_time_x2",
-        lambda: planning._row(planning.get_gpu("H100 SXM"), 10**10, 10**9, 64, 2.0, "bf16-mixed", **work),
-        applied,
-    )
-    assert (wrong.step_time, wrong.hours, wrong.cost) == pytest.approx(
-        (2 * true.step_time, 2 * true.hours, 2 * true.cost)
-    )
+def test_energy_mutants_move_the_power_where_it_is_computed_from_the_energy(applied):
+    applied("monitor_energy_x1000")
+    segment = rapl_energy()  # RAPL: mean power = energy / seconds, both wrong alike
+    assert segment.energy_j == pytest.approx(3000.0) and segment.mean_power_w * segment.seconds == pytest.approx(3000.0)
+    nvml = gk.hardware.monitor.Segment(seconds=2.0, energy_j=500.0, energy_source="energy counter", mean_power_w=250.0)
+    wrong = MUTANTS["monitor_energy_x0.001"].change(nvml, 0)  # NVML samples the power apart: it stays
+    assert (wrong.energy_j, wrong.mean_power_w) == (pytest.approx(0.5), 250.0)
+    no_energy = gk.hardware.monitor.Segment(seconds=2.0)  # a CPU without RAPL: nothing to make wrong
+    assert MUTANTS["monitor_energy_x1000"].change(no_energy, 0) == no_energy
 
 
-def test_detect_bf16_mutant(applied):
+@pytest.mark.parametrize("name, says", [("detect_bf16", True), ("detect_no_bf16", False)])
+def test_detect_mutants(name, says, applied):
     true = gk.detect()
-    assert MUTANTS["detect_bf16"].change(dataclasses.replace(true, bf16=False), 0).bf16 is True
-    log = applied("detect_bf16")
-    assert gk.detect().bf16 is True
-    # A CPU's autocast has bf16 already: there the mutant changes nothing, and the log must not say it did.
-    assert ("changed detect_bf16" in log.lines) == (not true.bf16)
+    assert MUTANTS[name].change(dataclasses.replace(true, bf16=not says), 0).bf16 is says
+    log = applied(name)
+    assert gk.detect().bf16 is says
+    # A CPU's autocast has bf16 already: there detect_bf16 changes nothing, and the log must not say it did.
+    assert ("changed " + name in log.lines) == (true.bf16 is not says)
+
+
+def test_every_known_survivor_names_a_mutant_and_where_it_is_killed():
+    for (lesson, name, kind), known in KNOWN_SURVIVORS.items():
+        assert name in MUTANTS and kind in KINDS and len(lesson) == 2, (lesson, name, kind)
+        assert known.why and "cell" in known.killed_by, (lesson, name, kind)
+        machine = known.killed_by.split(":")[0]
+        assert "any machine" in machine or "cpu" in machine or "cuda" in machine, known.killed_by
 
 
 def test_record_wraps_every_target_unchanged_and_notes_calls(applied):
@@ -212,7 +310,8 @@ def test_a_mutant_whose_function_the_lesson_never_calls_is_not_applicable_withou
     ran = []
     outcomes = {"timeit_x2": mutants.KILLED, "matmul_tflops_x2": mutants.SURVIVED}
     runner = fake_runner(outcomes, {"gpukit.bench:timeit", "gpukit.bench:matmul_tflops"}, ran)
-    monkeypatch.setitem(mutants.KNOWN_SURVIVORS, ("00", "matmul_tflops_x2", mutants.machine_kind()), "GPU-only")
+    known = Known("GPU-only", "cuda: lesson 00, cell 29")
+    monkeypatch.setitem(mutants.KNOWN_SURVIVORS, ("00", "matmul_tflops_x2", mutants.machine_kind()), known)
     runs = mutants.run_lesson(
         tmp_path / "00_x.ipynb", ["timeit_x2", "mfu_x2", "matmul_tflops_x2"], "tiny", runner=runner
     )
@@ -222,8 +321,34 @@ def test_a_mutant_whose_function_the_lesson_never_calls_is_not_applicable_withou
     text = mutants.table(runs)
     assert (
         "score: 1 killed of 2 applicable (50%)" in text
-        and "00_x × matmul_tflops_x2: survived (known): GPU-only" in text
+        and "00_x × matmul_tflops_x2: survived (known): GPU-only; killed by cuda: lesson 00, cell 29" in text
     )
+
+
+def test_the_table_shows_both_directions_of_each_mutant_per_lesson_and_the_load():
+    runs = [
+        mutants.Run("00_x", "timeit_x2", mutants.KILLED, "cell 3: AssertionError: x", load=(2.0, 3.5)),
+        mutants.Run("00_x", "timeit_x0.5", mutants.SURVIVED, load=(3.0, 4.0)),
+        mutants.Run("01_y", "timeit_x0.5", mutants.KILLED, "cell 5: AssertionError: y", load=(6.0, 5.0)),
+        mutants.Run("01_y", "timeit_x2", mutants.NOT_APPLICABLE, "its function was not called unmutated"),
+    ]
+    lines = mutants.table(runs, load=(2.0, 5.0)).splitlines()
+    assert lines[0] == "load average (1 min): 2.0 at the start, 5.0 at the end"
+    assert lines[1].split() == ["mutant", "direction", "00", "01"]
+    assert lines[2].split() == ["timeit", "up", "×2", "killed", "n/a"]  # up first, whatever order the runs came in
+    assert lines[3].split() == ["down", "×0.5", "SURVIVED", "killed"]  # the family named once
+    assert lines[4].split() == ["load", "(1", "min)", "2.0-4.0", "5.0-6.0"]
+    text = "\n".join(lines)
+    assert "score (up): 1 killed of 1 applicable (100%)" in text and "score (down): 1 killed of 2 applicable" in text
+    assert "score: 2 killed of 3 applicable (67%)" in text
+
+
+def test_mutants_are_chosen_by_name_or_family_and_direction():
+    assert mutants.chosen_mutants(["timeit", "mfu_x2"], "both") == ["timeit_x2", "timeit_x0.5", "mfu_x2"]
+    assert mutants.chosen_mutants(["timeit", "mfu_x2"], "down") == ["timeit_x0.5"]
+    assert mutants.chosen_mutants(None, "up") == [name for name, m in MUTANTS.items() if m.direction == "up"]
+    with pytest.raises(ValueError, match="unknown mutants matmul_x3"):
+        mutants.chosen_mutants(["matmul_x3"], "both")
 
 
 def test_the_command_line_refuses_an_unknown_mutant_or_lesson_before_running_anything(capsys):
@@ -267,3 +392,26 @@ def test_the_mechanism_in_real_kernels(tmp_path):
     # The unmutated run first: it passes and records no call of flops_per_step, so the mutant is not run.
     never = mutants.run_lesson(paths["never_calls"], ["flops_per_step_x2"], "tiny")[0]
     assert (never.outcome, never.seconds) == (mutants.NOT_APPLICABLE, 0.0), never
+
+
+WORKERS = """from gpukit.distributed import scaling
+
+def worker():
+    gk.distributed.setup("gloo")
+    return scaling.allreduce_benchmark([1024], repeats=1, warmup=0)[0]["seconds"]
+
+seconds = gk.distributed.launch(worker, 2, backend="gloo", timeout=240)"""
+
+
+@pytest.mark.slow
+def test_a_mutant_reaches_launched_workers_and_their_calls_are_noted(tmp_path):
+    # The all-reduce benchmark runs only in worker processes (spawned, as lesson 04 launches them): they start with
+    # the kernel's environment, so the mutant is applied in them too and they note their calls in the same file.
+    # About 30 s on an idle 2-core machine: a kernel and two workers importing torch.
+    path = tmp_path / "workers.ipynb"
+    cells = [nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(WORKERS)]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    run = mutants.run_one(path, "allreduce_benchmark_x2", "tiny", cell_seconds=300)
+    assert run.outcome == mutants.SURVIVED, run  # nothing checks it here: the notebook ran, the mutant changed a row
+    assert "gpukit.distributed.scaling:allreduce_benchmark" in run.calls.called
+    assert run.load is not None and all(value >= 0 for value in run.load)

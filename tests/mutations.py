@@ -276,7 +276,7 @@ BY_HAND_ANYWHERE = (
     "any machine: lesson 01, cell 15 (each gk.bench.compare time against a hand clock around the same call)"
 )
 FIT_RATE_BY_HAND = (
-    "any machine: lesson 01, cell 32, lesson 02, cell 8 and lesson 06, cell 24 (fit's rate against samples counted "
+    "any machine: lesson 01, cell 32, lesson 02, cell 8 and lesson 06, cell 25 (fit's rate against samples counted "
     "over a hand-timed span)"
 )
 KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
@@ -352,7 +352,7 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
     **{
         ("07", mutant, kind): Known(
             "the FLOPs cancel in every row: only the printed MFU moves",
-            "any machine: lesson 00, cell 23 and lesson 03, cell 29 (the FLOP counter against a count by hand)",
+            "any machine: lesson 00, cell 23 and lesson 03, cell 35 (the FLOP counter against a count by hand)",
         )
         for mutant in _both("flops_per_step")
         for kind in KINDS
@@ -387,18 +387,6 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
             "every second call falls on each calibration step alike: the line moves whole", BY_HAND_ANYWHERE
         )
         for mutant in _both("timeit_second")
-    },
-    # Lesson 03 checks gk.bench's times only on a CPU (cell 32: each contender's median against the same step timed by
-    # hand in the same rounds, within 1.4x; measured 0.93-1.08 on 2026-11-28, a 2x timer gives ~2). On a GPU it shows
-    # them: gk.bench times a step by CUDA events, and whether the lesson's batch is compute-bound there depends on the
-    # GPU.
-    **{
-        ("03", mutant, "cuda"): Known(
-            "lesson 03 checks gk.bench's times on a CPU only; a GPU shows them",
-            "cpu: lesson 03, cell 32 (each contender's median against the same step timed by hand); "
-            + BY_HAND_ANYWHERE,
-        )
-        for mutant in _both(*TIMING)
     },
     # Lesson 05 runs `gpukit train` jobs, which print images_per_second (History.samples_per_second): tiny jobs sharing
     # the machine's cores, shown, not checked (the lesson says so in section 1); its claims are about results (parameters

@@ -269,6 +269,7 @@ def executed(*cells: tuple[str, str | None]) -> nbformat.NotebookNode:
     "cells, stopped, changed, outcome",
     [
         ([("x = 1", None), ("assert x == 2", "AssertionError")], "", True, mutants.KILLED),
+        ([("gk.check(x == 2, 'two')", "CheckFailed")], "", True, mutants.KILLED),  # gpukit.claims' failed check
         ([("x = f()", "AssertionError")], "", True, mutants.CRASHED),  # gpukit's own assert, in no check cell
         ([("x = {}[1]", "KeyError")], "", True, mutants.CRASHED),
         ([("x = 1", None)], "CellTimeoutError: cell 0", True, mutants.CRASHED),

@@ -8,6 +8,7 @@
 #   make gpu-check PY=python3   the same with that Python's packages, no .venv (an offline GPU machine: README)
 #   make site        run every lesson and write a static site of the results to _site/ (FROM=DIR: lessons executed before)
 #   make mutants     each lesson with one gpukit measurement made wrong: do its checks fail? (tests/mutants.py)
+#   make fake-cuda-old-torch   the fake-GPU tests again under torch 2.11, the lent GPU machines' (a venv made and removed)
 
 PYTHON ?= python3
 VENV := .venv
@@ -40,7 +41,7 @@ FROM ?=
 # Empty: use .venv (made by setup). Set to a Python that already has gpukit's dependencies to skip the venv.
 PY ?=
 
-.PHONY: lab test setup unit notebooks lint clean gpu-check site mutants
+.PHONY: lab test setup unit notebooks lint clean gpu-check site mutants fake-cuda-old-torch
 
 setup: $(STAMP)
 
@@ -87,6 +88,26 @@ site: $(if $(PY),,setup)
 MUTANTS_ARGS ?=
 mutants: setup
 	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
+
+# The tests that run gpukit on the fake GPU (tests/fake_cuda.py) again under OLD_TORCH, the lent H100 and H200 machines'
+# torch: torch.cuda's Python calls its C functions with other arguments from one version to the next, and the fake must
+# take what each passes. A venv in build/ gets torch and torchvision of those versions from PyPI without their
+# dependencies; everything else, the CUDA libraries torch loads when imported among them, comes from .venv, after them
+# on sys.path. PyPI has only torch's CUDA build for Linux: 531 MB, downloaded in 29 s and installed in 90 s here
+# (2026-11-29), 1.2 GB unpacked. The venv is removed afterwards, passed or failed.
+OLD_TORCH ?= 2.11.0
+OLD_TORCHVISION ?= 0.26.0
+OLD_VENV := build/torch-$(OLD_TORCH)
+FAKE_CUDA_TESTS = $(shell grep -lP "def test_\w*\x28.*\bfake_cuda\b" tests/test_*.py)
+fake-cuda-old-torch: setup
+	rm -rf $(OLD_VENV) && $(BIN)/python -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install --quiet --no-deps --no-cache-dir torch==$(OLD_TORCH) \
+		torchvision==$(OLD_TORCHVISION) || { rm -rf $(OLD_VENV); exit 1; }
+	$(BIN)/python -c "import sysconfig; print(f\"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\")" \
+		> "$$($(OLD_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-dot-venv.pth"
+	$(OLD_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(OLD_TORCH)'), torch.__version__" \
+		&& $(OLD_VENV)/bin/python -m pytest $(FAKE_CUDA_TESTS) -m "not slow" -p no:cacheprovider $(PYTEST_ARGS); \
+		status=$$?; rm -rf $(OLD_VENV); exit $$status
 
 lint: setup
 	$(BIN)/ruff check gpukit tests benchmarks && $(BIN)/ruff format --check gpukit tests benchmarks

@@ -26,7 +26,17 @@ from .deprecation import renamed
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, Precision, get_precision
 from .report import Table, format_bytes
-from .train import CheckpointError, History, NonFiniteLossError, evaluate, fit, lr_find
+from .train import (
+    CheckpointError,
+    History,
+    ModelTransforms,
+    NonFiniteLossError,
+    Reporting,
+    Saving,
+    evaluate,
+    fit,
+    lr_find,
+)
 
 __version__ = "0.1.0"
 
@@ -37,9 +47,12 @@ __all__ = [
     "CheckpointError",
     "Env",
     "History",
+    "ModelTransforms",
     "NonFiniteLossError",
     "Precision",
     "Profile",
+    "Reporting",
+    "Saving",
     "Table",
     "bench",
     "check",

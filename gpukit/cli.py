@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import data, distributed, gpucheck, gpuledger, jupyter, models, nbval, shipped
+from . import data, distributed, gpucheck, gpulease, jupyter, models, nbval, shipped
 from .checkup import collect
 from .env import PROFILES, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, get_precision
@@ -170,19 +170,21 @@ def _add_gpu_check(commands) -> None:
 
 
 def _add_budget_options(check) -> None:
-    """gpu-check --budget and its company (gpukit/gpuledger.py): a check planned from benchmarks/gpu-ledger.json."""
+    """gpu-check --budget and its company (gpukit/gpulease.py): a check planned from benchmarks/gpu-ledger.json."""
     check.add_argument(
         "--budget",
         type=float,
         metavar="SECONDS",
-        help="run what is due in the ledger (never passed on a GPU, or changed since), most valuable first, packed "
-        "into SECONDS; record each in benchmarks/gpu-ledger.json (ignores --steps and --seconds)",
+        help="run what is due in the ledger (never run on a GPU, failed, or changed since), most valuable first, "
+        "ending within SECONDS in all; record each in benchmarks/gpu-ledger.json (ignores --steps and --seconds)",
     )
     check.add_argument(
         "--dry-run", action="store_true", help="with --budget: print the plan, run nothing (no GPU needed)"
     )
     check.add_argument("--leases", type=int, default=1, help="with --dry-run: plan this many leases in a row")
-    check.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="with --dry-run: the GPU the plan is for")
+    check.add_argument(
+        "--gpu", default="NVIDIA H200", help="with --dry-run: the GPU the plan is for (the lent machines: an H200)"
+    )
     check.add_argument(
         "--out", type=Path, help="with --budget: write results.md, summary.txt, the ledger and logs here"
     )
@@ -197,9 +199,11 @@ def _add_budget_options(check) -> None:
 def gpu_check_main(args: argparse.Namespace) -> int:
     only = args.only.split(",") if args.only else None
     if args.collect:
-        return gpuledger.collect(args.collect, args.results)
+        if args.budget is not None or args.dry_run:
+            raise ValueError("gpu-check --collect runs nothing: give it without --budget and --dry-run.")
+        return gpulease.collect(args.collect, args.results)
     if args.budget is not None:
-        return gpuledger.run_budget_check(
+        return gpulease.run_budget_check(
             args.budget,
             only=only,
             leases=args.leases,
@@ -208,6 +212,10 @@ def gpu_check_main(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             results_path=args.results,
             gpu=args.gpu,
+        )
+    if args.dry_run or args.out or args.leases != 1:  # else the whole 29-minute check would start
+        raise ValueError(
+            "gpu-check --dry-run, --out and --leases plan or write a budgeted check: give --budget SECONDS."
         )
     return gpucheck.run_gpu_check(args.steps.split(","), args.results, args.log_dir, only=only, seconds=args.seconds)
 

@@ -15,6 +15,7 @@ library, torch and (if present) pynvml, so it runs wherever the lessons can.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import functools
 import json
@@ -186,6 +187,18 @@ def child_environment(root: Path, **variables: str) -> dict[str, str]:
     return environment
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a command's first process, before it starts (Linux): SIGKILL when the check dies, even by SIGKILL, which
+    no handler of the check's can catch (the command runs in a session of its own, out of the check's group)."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the check died before prctl: nothing would signal this process
+        os._exit(1)
+
+
 def _stop(process: subprocess.Popen) -> None:
     """SIGINT to the command's process group (pytest tears down and stops its kernel), then SIGKILL.
     A Jupyter kernel has a session of its own, and exits by itself once its parent is gone."""
@@ -208,16 +221,23 @@ def run_command(
 
     Returns (status "pass" | "fail" | "timeout", exit code or None after a timeout, wall seconds)."""
     started = time.perf_counter()
+    die_with_us = functools.partial(_die_with_parent, os.getpid()) if _LIBC is not None else None
     with open(log, "w") as output:
         process = subprocess.Popen(
-            command, cwd=cwd, env=environment, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )  # its own process group: a timeout stops it all
+            command,
+            cwd=cwd,
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a timeout stops it all
+            preexec_fn=die_with_us,
+        )
         try:
             code = process.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
             _stop(process)
             return "timeout", None, time.perf_counter() - started
-        except KeyboardInterrupt:  # Ctrl-C here must not leave a training process holding the GPU
+        except KeyboardInterrupt:  # Ctrl-C, or gpu-check --budget's SIGTERM: never leave a process holding the GPU
             _stop(process)
             raise
     return ("pass" if code == 0 else "fail"), code, time.perf_counter() - started

@@ -4,17 +4,25 @@ A lent GPU comes for 15 minutes in all, and `make gpu-check` needs about 28. So 
 benchmark (an *item*, named by its path: "tests/test_memory.py", "notebooks/03_memory_troubleshooting.ipynb",
 "benchmarks/fit_overhead.py") has an entry in the ledger: the seconds it takes on a GPU and where that figure
 comes from (measured, or an estimate saying how it was derived), the files it depends on, the last run (status,
-GPU, torch, commit, time) and the last pass. A lease runs first what is due, in the order of value:
+GPU, torch, commit, time), the last pass and the GPU models it passed on. A lease runs first what is due, in the
+order of value. Only one lease is ever certain, and what never ran is where the surprises are:
 
-    0  failed on a GPU, and its files changed since  (a fix waiting to be confirmed)
-    1  never run on a GPU
+    0  never run on a GPU
+    1  failed on a GPU, and its files changed since  (a fix waiting to be confirmed)
     2  passed on a GPU, and its files changed since
-    3  failed on a GPU, its files unchanged since    (expected to fail again: last)
+    3  failed on a GPU, its files unchanged since    (expected to fail again)
+    4  passed on a GPU, unchanged since, but never on this GPU model
 
-shortest first within a tier (more items per lease), packed into the budget with each item's planned seconds
+A run recorded at commit "unknown" (its files were not those of a known commit) counts as changed since: it stays
+due until a run at a known commit. Tier 4 is the decision for a new GPU model: an item that passed on an H100 and is
+unchanged is not re-run ahead of anything else on an H200 (same Hopper chip, same kernels; the bounds the
+lessons check are ratios measured on the machine itself), but it is due there once nothing else is, so that
+successive leases on a new model cover everything on it too.
+
+Shortest first within a tier (more items per lease), packed into the budget with each item's planned seconds
 (its recorded seconds × MARGIN); an item that does not fit is left for the next lease, never started and cut.
 Successive leases so cover everything. The planning functions here are pure (the ledger in, a plan out); git is
-asked only by `changed_files`.
+asked only by `changed_files`. Running a plan is gpukit/gpulease.py's.
 
 An item's files: itself, the gpukit modules it names (`gk.memory.breakdown`, `from gpukit.data import …`; a name
 `gpukit/__init__.py` re-exports counts as its module), everything those import inside gpukit, and for a test file
@@ -25,29 +33,24 @@ from __future__ import annotations
 
 import ast
 import datetime
-import functools
 import json
 import math
 import re
 import subprocess
-import sys
-import tarfile
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import gpucheck
-from .runfile import git_commit
-
 LEDGER_PATH = "benchmarks/gpu-ledger.json"
 MARGIN = 1.25  # planned seconds = recorded seconds × this: an H200 or a busy host runs an item somewhat slower
 TIERS = {
-    0: "failed on a GPU; changed since",
-    1: "never run on a GPU",
+    0: "never run on a GPU",
+    1: "failed on a GPU; changed since",
     2: "passed on a GPU; changed since",
     3: "failed on a GPU; unchanged since",
+    4: "passed on a GPU; unchanged, but never on this GPU model",
 }
+UNKNOWN = "unknown"  # the commit of a run whose files were no known commit's (a changed working tree, no git)
 PASSED = ("pass", "skipped")  # "skipped": a benchmark that needs two GPUs said so on one, which is its right answer
 GPU_MARK = re.compile(r"^\s*(?:@pytest\.mark\.gpu\b|\w+\s*=\s*pytest\.mark\.gpu\b)", re.MULTILINE)
 NAMED_MODULE = re.compile(r"\b(?:gk|gpukit)\.([a-z_0-9]+)(?:\.([A-Za-z_0-9]+))?")
@@ -65,6 +68,17 @@ def gpu_items(root: Path) -> list[str]:
     lessons = sorted((root / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     benchmarks = sorted((root / "benchmarks").glob("*.py"))
     return [path.relative_to(root).as_posix() for path in [*tests, *lessons, *benchmarks]]
+
+
+def selected_items(root: Path, only: list[str] | None) -> list[str]:
+    """Every item, or those whose names start with one of `only` ("test_memory", "03", "fit_overhead")."""
+    items = gpu_items(root)
+    if only is None:
+        return items
+    unmatched = [prefix for prefix in only if not any(item_name(item).startswith(prefix) for item in items)]
+    if unmatched:
+        raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no gpu test file, lesson or benchmark.")
+    return [item for item in items if any(item_name(item).startswith(prefix) for prefix in only)]
 
 
 def item_kind(item: str) -> str:
@@ -175,23 +189,71 @@ def dependencies(root: Path, item: str) -> list[str]:
 # The ledger's file, and git
 
 
+STATUSES = ("pass", "fail", "timeout", "skipped", "uncollected", "not run")  # a recorded run's status
+
+
 def load_ledger(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {"items": {}}
+    """The ledger at `path` ({"items": {}} where there is none), checked: a ValueError names the file and what is
+    wrong with it (not JSON, or an entry without its seconds or with a run that lacks a field)."""
+    if not path.exists():
+        return {"items": {}}
+    try:
+        ledger = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is damaged (not JSON: {error}); nothing was changed.") from None
+    problem = ledger_problem(ledger)
+    if problem:
+        raise ValueError(f"{path} is damaged ({problem}); nothing was changed.")
+    return ledger
+
+
+def ledger_problem(ledger) -> str | None:
+    """What makes `ledger` no ledger, in a few words; None if it is one."""
+    if not isinstance(ledger, dict) or not isinstance(ledger.get("items"), dict):
+        return 'no "items" object'
+    for item, entry in ledger["items"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("seconds", 1), (int, float)):
+            return f"{item}: not an entry with seconds"
+        for key in ("last_run", "last_pass"):
+            run = entry.get(key)
+            if run is None:
+                continue
+            if not isinstance(run, dict) or any(not isinstance(run.get(name), str) for name in ("gpu", "date")):
+                return f"{item}: its {key} has no gpu or date"
+            if run.get("status") not in STATUSES:
+                return f"{item}: its {key} has status {run.get('status')!r}"
+    return None
 
 
 def save_ledger(path: Path, ledger: dict) -> None:
+    """Write `ledger` to `path` whole or not at all (a temporary file renamed over it): a cut never leaves half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ledger, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(ledger, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
+    temporary.replace(path)
+
+
+GIT_SECONDS = 120  # git diff against an old commit on a busy 2-core machine: seconds, rarely more
 
 
 def changed_files(root: Path, commit: str) -> set[str] | None:
     """The files that differ between `commit` and the working tree (committed or not); None where this clone
-    does not have `commit` (then everything counts as changed)."""
+    does not have `commit` (then everything counts as changed). A git that does not answer in GIT_SECONDS is an
+    error, not "commit not in this clone": that would silently make every item due."""
     try:
         done = subprocess.run(
-            ["git", "diff", "--name-only", commit, "--"], cwd=root, capture_output=True, text=True, timeout=60
+            ["git", "diff", "--name-only", commit, "--"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=GIT_SECONDS,
         )
-    except (OSError, subprocess.SubprocessError):
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"gpu-check: `git diff --name-only {commit}` took over {GIT_SECONDS} s in {root}: the plan cannot tell "
+            "what changed. Run it again on a quieter machine (or after `git gc`)."
+        ) from None
+    except OSError:
         return None
     return set(done.stdout.split()) if done.returncode == 0 else None
 
@@ -231,25 +293,41 @@ class Plan:
         return sum(candidate.seconds for candidate in self.chosen)
 
 
-def _changed(run: dict, deps: list[str], changes: Mapping[str, set[str] | None]) -> list[str] | None:
-    """The files among `deps` changed since `run`'s commit ([] none); None if that commit is unknown here."""
-    changed = changes.get(run.get("commit") or "")
-    return None if changed is None else sorted(set(deps) & changed)
+def what_changed(run: dict, deps: list[str], changes: Mapping[str, set[str] | None]) -> str | None:
+    """None if none of `deps` changed since `run`'s commit; else, in a few words, what did (or why it cannot tell)."""
+    commit = run.get("commit") or UNKNOWN
+    if commit == UNKNOWN:
+        return "recorded without a commit"
+    changed = changes.get(commit)
+    if changed is None:
+        return "commit not in this clone"
+    files = sorted(set(deps) & changed)
+    return ", ".join(files[:3]) + (" …" if len(files) > 3 else "") if files else None
 
 
-def due(entry: dict | None, deps: list[str], changes: Mapping[str, set[str] | None]) -> tuple[int, str] | None:
-    """(tier, reason) if the item is due, None if it passed on a GPU and nothing it depends on changed since."""
+def passed_on(entry: dict) -> set[str]:
+    """The GPU models the item passed on (an older entry without "passed_on": its last pass's)."""
+    models = set(entry.get("passed_on", {}))
+    return models | ({entry["last_pass"]["gpu"]} if entry.get("last_pass") else set())
+
+
+def due(
+    entry: dict | None, deps: list[str], changes: Mapping[str, set[str] | None], gpu: str | None = None
+) -> tuple[int, str] | None:
+    """(tier, reason) if the item is due (see TIERS), None if it passed on a GPU and nothing it depends on changed
+    since. `gpu`: the GPU model the plan is for; None ignores the model (tier 4 never)."""
     run = (entry or {}).get("last_run")
     if not run:
-        return 1, TIERS[1]
-    changed = _changed(run, deps, changes)
-    what = (
-        "commit not in this clone" if changed is None else ", ".join(changed[:3]) + (" …" if len(changed) > 3 else "")
-    )
+        return 0, TIERS[0]
+    what = what_changed(run, deps, changes)
     if run["status"] in PASSED:
-        return (2, f"{TIERS[2]}: {what}") if changed is None or changed else None
-    if changed is None or changed:
-        return 0, f"{TIERS[0]}: {what}"
+        if what:
+            return 2, f"{TIERS[2]}: {what}"
+        if gpu and gpu not in passed_on(entry):
+            return 4, f"{TIERS[4]} (passed on {', '.join(sorted(passed_on(entry)))})"
+        return None
+    if what:
+        return 1, f"{TIERS[1]}: {what}"
     return 3, f"{TIERS[3]} ({run['status']} {run.get('date', '')[:10]})"
 
 
@@ -261,13 +339,18 @@ def planned_seconds(entry: dict | None, default: float) -> tuple[int, str]:
 
 
 def candidates(
-    ledger: dict, deps: Mapping[str, list[str]], changes: Mapping[str, set[str] | None], default_seconds: float = 120
+    ledger: dict,
+    deps: Mapping[str, list[str]],
+    changes: Mapping[str, set[str] | None],
+    default_seconds: float = 120,
+    gpu: str | None = None,
 ) -> list[Candidate]:
-    """Every due item among `deps`' keys, in the order of value: tier, then the shortest first."""
+    """Every due item among `deps`' keys on `gpu` (a model name; None: any), in the order of value: tier, then the
+    shortest first."""
     found = []
     for item, item_deps in deps.items():
         entry = ledger["items"].get(item)
-        reason = due(entry, item_deps, changes)
+        reason = due(entry, item_deps, changes, gpu)
         if reason:
             found.append(Candidate(item, *reason, *planned_seconds(entry, default_seconds)))
     return sorted(found, key=lambda candidate: (candidate.tier, candidate.seconds, candidate.item))
@@ -296,11 +379,11 @@ def record(
     ledger: dict, item: str, status: str, seconds: float, detail: str, machine: Mapping[str, str], deps: list[str]
 ) -> None:
     """Note in `ledger` that `item` ran on `machine` ({"gpu", "torch", "commit", "date"}): its last run, its last
-    pass if it passed, and its seconds: measured where it ended by itself, raised to at least `seconds` where it
-    was stopped (a lower bound), kept where it never started."""
+    pass and the GPU model it passed on if it passed, and its seconds: measured where it ended by itself, raised
+    to at least `seconds` where it was stopped at its own limit (a lower bound)."""
     entry = ledger["items"].setdefault(item, {})
     run = {**machine, "status": status, "seconds": round(seconds, 1), "detail": detail[:300]}
-    entry["last_run"], entry["depends_on"] = run, deps
+    entry["last_run"], entry["depends_on"], entry["updated"] = run, deps, machine["date"]
     where = f"{machine['gpu']}, {machine['date'][:10]}, commit {machine['commit']}"
     if status == "timeout":
         if seconds > entry.get("seconds", 0):
@@ -308,17 +391,34 @@ def record(
         return
     entry["seconds"], entry["seconds_from"] = round(seconds), f"measured by gpu-check --budget: {status}, {where}"
     if status in PASSED:
+        earlier = entry.get("last_pass")  # an older entry's only record of the model it passed on
+        known = {earlier["gpu"]: earlier.get("date", "")} if earlier else {}
+        entry["passed_on"] = {**known, **entry.get("passed_on", {}), machine["gpu"]: machine["date"]}
         entry["last_pass"] = run
 
 
+def record_cut(ledger: dict, item: str, seconds: float, why: str, machine: Mapping[str, str]) -> None:
+    """Note that `item` was stopped after `seconds` by the lease, not by its own limit (the lease's time ran out, or
+    it ran past twice its planned seconds): its last run stays as it was (it is as due as before), and its seconds
+    become at least `seconds`, so that the next plan gives it more."""
+    entry = ledger["items"].setdefault(item, {})
+    if seconds > entry.get("seconds", 0):
+        where = f"{machine['gpu']}, {machine['date'][:10]}, commit {machine['commit']}"
+        entry["seconds"], entry["seconds_from"] = round(seconds), f"lower bound: {why} after it, {where}"
+        entry["updated"] = machine["date"]
+
+
+def _updated(entry: dict) -> str:
+    return entry.get("updated") or (entry.get("last_run") or {}).get("date", "")
+
+
 def merge_ledgers(local: dict, incoming: dict) -> list[str]:
-    """Take from `incoming` (a ledger written on a GPU machine) every item whose last run is newer than
-    `local`'s; returns those items."""
+    """Take from `incoming` (a ledger written on a GPU machine) every item updated there later than in `local`
+    (its last run, or a cut's lower bound on its seconds); returns those items. Merging the same ledger again
+    takes nothing."""
     taken = []
     for item, entry in incoming["items"].items():
-        ours = local["items"].get(item, {})
-        theirs_at, ours_at = (entry.get("last_run") or {}).get("date", ""), (ours.get("last_run") or {}).get("date", "")
-        if theirs_at > ours_at:
+        if _updated(entry) > _updated(local["items"].get(item, {})):
             local["items"][item] = entry
             taken.append(item)
     return taken
@@ -340,13 +440,14 @@ def plan_leases(
     leases: int,
     machine: Callable[[int], dict],
 ) -> list[Plan]:
-    """The plans of `leases` successive leases, each assuming that what the one before chose passed in its
-    planned seconds on `machine(lease)`, on this working tree (so unchanged since). `ledger` is not changed."""
+    """The plans of `leases` successive leases, each on `machine(lease)` ({"gpu", "torch", "date"}), each assuming
+    that what the one before chose passed in its planned seconds, on this working tree (so unchanged since).
+    `ledger` is not changed."""
     ledger = json.loads(json.dumps(ledger))  # a copy the simulated passes go into
     changes = {**changes, PLANNED: set()}  # a simulated pass ran this very working tree
     plans = []
     for lease in range(leases):
-        plans.append(pack(candidates(ledger, deps, changes), budget))
+        plans.append(pack(candidates(ledger, deps, changes, gpu=machine(lease)["gpu"]), budget))
         for candidate in plans[-1].chosen:
             entry = ledger["items"].setdefault(candidate.item, {})
             seconds, source = entry.get("seconds"), entry.get("seconds_from")
@@ -362,10 +463,13 @@ def _plan_row(candidate: Candidate) -> str:
     )
 
 
-def format_plans(plans: list[Plan], gpu: str) -> str:
-    """Each lease's items with planned seconds and why each is due; then what no lease of this budget fits."""
+def format_plans(plans: list[Plan], gpu: str, budget: float | None = None) -> str:
+    """Each lease's items with planned seconds and why each is due; then what no lease of this budget fits.
+    `budget`: the whole check's seconds, where the items get less (the check's own start, pre-flight, writing)."""
+    budget = plans[0].budget if budget is None else budget
+    own = f" ({budget - plans[0].budget:.0f} s of it the check's own)" if budget > plans[0].budget else ""
     lines = [
-        f"gpu-check --budget {plans[0].budget:.0f}: {len(plans)} lease(s) on {gpu}, planned from {LEDGER_PATH}",
+        f"gpu-check --budget {budget:.0f}{own}: {len(plans)} lease(s) on {gpu}, planned from {LEDGER_PATH}",
         f"(planned seconds: the ledger's × {MARGIN}; each item's source is in the ledger's seconds_from)",
     ]
     for number, plan in enumerate(plans, 1):
@@ -379,144 +483,3 @@ def format_plans(plans: list[Plan], gpu: str) -> str:
             f"run it alone with --budget {candidate.seconds} --only {item_name(candidate.item)}"
         )
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# gpu-check --budget: plan, run, record
-
-
-ITEM_LIMITS = {
-    "tests": gpucheck.TESTS_SECONDS,
-    "lesson": gpucheck.LESSON_SECONDS,
-    "benchmark": gpucheck.BENCHMARK_SECONDS,
-}
-OUT_FILES = ("summary.txt", "results.md", "gpu-ledger.json", "logs.tar.gz")  # what --out DIR receives
-
-
-def run_item(root: Path, logs: Path, item: str, limit: float) -> gpucheck.StepResult:
-    kind = item_kind(item)
-    if kind == "tests":
-        return gpucheck.run_tests(root, logs, limit, files=[item])
-    if kind == "lesson":
-        return gpucheck.run_lesson(root, logs, root / item, limit)
-    return gpucheck.run_benchmark(root, logs, root / item, limit)
-
-
-def run_plan(root: Path, logs: Path, plan: Plan, ledger: dict, deps: Mapping, machine: dict, report=print) -> list:
-    """Run `plan.chosen` in order within `plan.budget` seconds, recording each in `ledger`. An item is started
-    only if its planned seconds fit in what is left (an earlier one may have run over its plan); each runs under
-    the smaller of what is left and its kind's own limit."""
-    deadline, results, lessons_problem = time.monotonic() + plan.budget, [], None
-    if any(item_kind(c.item) == "lesson" for c in plan.chosen):
-        lessons_problem = gpucheck.lessons_cannot_run(root, logs)
-        results += [lessons_problem] if lessons_problem else []
-    for candidate in plan.chosen:
-        kind, name, left = item_kind(candidate.item), item_name(candidate.item), deadline - time.monotonic()
-        if candidate.seconds > left or (kind == "lesson" and lessons_problem):
-            why = "nbval does not import" if kind == "lesson" and lessons_problem else f"{left:.0f} s were left"
-            results.append(gpucheck.StepResult(kind, name, "not started", 0.0, f"{candidate.seconds} s planned, {why}"))
-        else:
-            results.append(run_item(root, logs, candidate.item, min(left, ITEM_LIMITS[kind])))
-            result = results[-1]
-            record(
-                ledger,
-                candidate.item,
-                result.status,
-                result.seconds,
-                result.detail,
-                {**machine, "date": now()},
-                deps[candidate.item],
-            )
-        report(gpucheck.summary_row(results[-1]))
-    return results
-
-
-def selected_items(root: Path, only: list[str] | None) -> list[str]:
-    """Every item, or those whose names start with one of `only` ("test_memory", "03", "fit_overhead")."""
-    items = gpu_items(root)
-    if only is None:
-        return items
-    unmatched = [prefix for prefix in only if not any(item_name(item).startswith(prefix) for item in items)]
-    if unmatched:
-        raise ValueError(f"gpu-check --only: {', '.join(unmatched)} names no gpu test file, lesson or benchmark.")
-    return [item for item in items if any(item_name(item).startswith(prefix) for prefix in only)]
-
-
-def write_outputs(out: Path, logs: Path, section: str, summary: str, ledger: dict) -> None:
-    """OUT_FILES into `out`: what comes back from a lent machine (at most 8 files, 16 MiB each)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(section)
-    (out / "summary.txt").write_text(summary + "\n")
-    save_ledger(out / "gpu-ledger.json", ledger)
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as archive:
-        archive.add(logs, arcname=logs.name)
-
-
-def run_budget_check(
-    budget: float,
-    *,
-    only=None,
-    leases: int = 1,
-    dry_run: bool = False,
-    out: Path | None = None,
-    log_dir: Path | None = None,
-    results_path: Path | None = None,
-    gpu: str = "NVIDIA H100 80GB HBM3",
-) -> int:
-    """gpu-check --budget: plan from the ledger and run the plan (or, `dry_run`, print `leases` plans for `gpu`,
-    running nothing, GPU or not); record each item in the ledger; the section, summary, ledger and logs go to
-    `out` if given, else the section to `results_path` (default benchmarks/RESULTS.md) and the ledger in place."""
-    if budget <= 0 or leases < 1:
-        raise ValueError(f"gpu-check --budget must be > 0 seconds and --leases >= 1 (got {budget}, {leases}).")
-    root = gpucheck.repository_root()
-    ledger, items = load_ledger(root / LEDGER_PATH), selected_items(root, only)
-    deps, head = {item: dependencies(root, item) for item in items}, git_commit(root) or "unknown"
-    changes = changes_by_commit(root, ledger, head)
-    if dry_run:
-        machine = {"gpu": gpu, "torch": "planned", "date": now()}
-        print(format_plans(plan_leases(ledger, deps, changes, budget, leases, lambda _: machine), gpu))
-        return 0
-    message = gpucheck.no_gpu_message()
-    if message:
-        print(message, file=sys.stderr)
-        return gpucheck.EXIT_NO_GPU
-    machine = gpucheck.describe_machine(root)
-    plan = pack(candidates(ledger, deps, changes), budget)
-    print(format_plans([plan], machine.gpu), flush=True)
-    logs = log_dir or root / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    logs.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    identity = {"gpu": machine.gpu, "torch": machine.torch, "commit": head[:12]}
-    results = run_plan(root, logs, plan, ledger, deps, identity, functools.partial(print, flush=True))
-    seconds = time.monotonic() - started
-    section = gpucheck.results_section(machine, results, seconds, f"gpu-check --budget {budget:.0f}")
-    save_ledger(root / LEDGER_PATH, ledger)
-    if out:
-        text = gpucheck.summary(machine, results, seconds, None, logs)
-        write_outputs(out, logs, section, text, ledger)
-    else:
-        text = gpucheck.summary(machine, results, seconds, results_path or root / "benchmarks" / "RESULTS.md", logs)
-        gpucheck.append_section(results_path or root / "benchmarks" / "RESULTS.md", section)
-    print("\n" + text)
-    return gpucheck.exit_code(results)
-
-
-def collect(folder: Path, results_path: Path | None = None) -> int:
-    """gpu-check --collect DIR: DIR/results.md appended to benchmarks/RESULTS.md and DIR/gpu-ledger.json merged
-    into the ledger (an item's entry taken where its last run there is newer), running nothing."""
-    root = gpucheck.repository_root()
-    missing = [name for name in ("results.md", "gpu-ledger.json") if not (folder / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"gpu-check --collect: {folder} has no {', '.join(missing)}; give the folder "
-            "`gpu-check --budget … --out DIR` wrote (tools/gpu_lease.sh: $OUT)."
-        )
-    results_path = results_path or root / "benchmarks" / "RESULTS.md"
-    gpucheck.append_section(results_path, (folder / "results.md").read_text())
-    ledger = load_ledger(root / LEDGER_PATH)
-    taken = merge_ledgers(ledger, load_ledger(folder / "gpu-ledger.json"))
-    save_ledger(root / LEDGER_PATH, ledger)
-    print(
-        f"section added to {results_path}; {len(taken)} items of {LEDGER_PATH} updated: {', '.join(map(item_name, taken))}"
-    )
-    return 0

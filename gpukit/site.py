@@ -145,27 +145,27 @@ def shut_down(client: NotebookClient, kernel: KernelManager) -> None:
 # What an executed lesson shows
 
 
-CHECK_CALLS = ("check", "check_between", "skip_check")  # gpukit.claims: a lesson's check, one line each
+CHECK_CALLS = ("check", "check_between", "skip_check")  # gk.check, gk.check_between, gk.skip_check (gpukit/claims.py)
 
 
-def is_check(source: str) -> bool:
-    """A check cell holds an `assert` statement or calls gk.check, gk.check_between or gk.skip_check (found by
-    parsing, so a comment or a string saying "assert" does not count; a cell that does not parse counts if a
-    line starts with one)."""
-    try:
-        return any(_is_check_node(node) for node in ast.walk(ast.parse(source)))
-    except SyntaxError:
-        return re.search(r"^\s*(assert\b|(gk\.)?(check|check_between|skip_check)\()", source, re.M) is not None
-
-
-def _is_check_node(node: ast.AST) -> bool:
+def is_check_node(node: ast.AST) -> bool:
+    """An `assert` statement, or a call of one of the lessons' check helpers (`gk.check(...)`, `check_between(...)`)."""
     if isinstance(node, ast.Assert):
         return True
     if not isinstance(node, ast.Call):
         return False
-    function = node.func
-    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
     return name in CHECK_CALLS
+
+
+def is_check(source: str) -> bool:
+    """A check cell holds an `assert` statement or calls gk.check, gk.check_between or gk.skip_check (found by
+    parsing, so a comment or a string saying "assert" does not count; a cell that does not parse counts if a line
+    starts with one)."""
+    try:
+        return any(is_check_node(node) for node in ast.walk(ast.parse(source)))
+    except SyntaxError:
+        return re.search(r"^\s*(assert\b|gk\.(check|check_between|skip_check)\()", source, re.M) is not None
 
 
 def _text(output) -> str:

@@ -121,8 +121,8 @@ def fake_cuda(request, monkeypatch) -> FakeCuda:
 
     It replaces only torch's lowest CUDA layer (C bindings, lazy init, streams, events, NVML), so torch.cuda's own
     functions and argument checks run as on a GPU; it checks calls and argument handling, not numbers. Measured with
-    tests/gpu_lines.py: tests/test_gpu_paths.py executes 285 of gpukit's 307 GPU-only statements (93%; CUDA-only 214
-    of 225) — the rest need the real CUDA runtime or worker processes on the GPU (see tests/fake_cuda.py). On a
+    tests/gpu_lines.py (which derives the GPU-only statements from gpukit's source): tests/test_gpu_paths.py executes
+    338 of 388 (87%, torch 2.14) — the rest need the real CUDA runtime or worker processes on the GPU (see tests/fake_cuda.py). On a
     machine with a real GPU the fixture patches all the same: the tests see the fake GPU there too.
     """
     return FakeCuda(getattr(request, "param", [H100])).install(monkeypatch)

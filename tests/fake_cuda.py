@@ -42,15 +42,20 @@ device there).
 
 Coverage (measured with tests/gpu_lines.py, which runs tests/test_gpu_paths.py under coverage): a statement of
 gpukit is GPU-only when no CPU machine reaches it, i.e. the body of a branch taken only on CUDA (`device.type ==
-"cuda"`, `torch.cuda.is_available()`, `is_cuda`), the statements after a guard that raises without a GPU, or a
-function only such code calls; statements that need an NVIDIA driver (NVML) are counted apart. The regions are
-listed there by function and source text (with the reason for each) and checked against coverage's statement list;
-none of them runs in the CPU tests without this fixture (checked on test_memory, test_bench, test_env, test_data,
-test_diagnose; only test_precision's own capability fake reaches 9). On this layer the tests execute 214 of 225
-CUDA-only statements (95%) and 71 of 82 NVML-only ones (87%): 285 of 307 (93%). Not reached: fit's two CUDA lines
-and trace_steps's synchronisation (they follow a tensor made on the device), worker processes on the GPU (setup with
-nccl, data_parallel's SyncBatchNorm, compare_parallelism, measure_contention), a torch built without NCCL, and
-NVML's fallbacks for old drivers (throttle-reason name, no energy counter, failed queries).
+"cuda"`, `torch.cuda.is_available()`), the statements after a guard that raises without a GPU or after a call
+that needs one, or code only such code calls; statements that need an NVIDIA driver (NVML) are counted apart.
+gpu_lines.py derives these regions from gpukit's source with `ast` (a few that no rule can see are listed there, with
+the reason for each) and checks them against coverage's statement list. On this layer the tests executed 250 of 281
+CUDA-only statements (89%) and 88 of 107 NVML-only ones (82%): 338 of 388 (87%), with torch 2.14.1 on 2026-11-29
+(the list kept by hand before counted 307). Not reached: fit's two CUDA lines and trace_steps's synchronisation
+(they follow a tensor made on the device), worker processes on the GPU (setup with nccl, data_parallel's
+SyncBatchNorm, compare_parallelism, measure_contention), a torch built without NCCL, fp8's capability checks past
+torch.cuda.is_available(), the CUDA generators saved in a checkpoint, the planner's free-memory read, gpu-check's
+own (it never runs in the tests with a GPU), and NVML's fallbacks for old drivers (throttle-reason name, no energy
+counter, failed queries).
+
+torch versions: the fake follows torch's C bindings where torch 2.11 (the lent GPU machines') and 2.14 differ, e.g.
+_cuda_record_memory_history's eight or ten arguments; `make fake-cuda-old-torch` runs the fake-GPU tests under 2.11.
 """
 
 from __future__ import annotations
@@ -360,10 +365,12 @@ class FakeCuda:
         compile_context,
         global_record_annotations,
         skip_actions,
-        record_pinned_host_memory,
-        record_cuda,
+        record_pinned_host_memory=False,
+        record_cuda=True,
     ) -> None:
-        """torch._C._cuda_record_memory_history, with the C++ binding's ten positional arguments."""
+        """torch._C._cuda_record_memory_history: the C++ binding's eight positional arguments in torch 2.11 (the lent
+        GPU machines'), ten in torch 2.14 (record_pinned_host_memory and record_cuda added; 2.11's behaviour is their
+        defaults). torch.cuda.memory._record_memory_history passes what its own version's binding takes."""
         if enabled not in (None, "state", "all") or context not in (None, "state", "alloc", "all"):
             raise RuntimeError(
                 f"expected enabled and context to be None, 'state', 'alloc' or 'all', got {enabled!r}, {context!r}"

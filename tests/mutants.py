@@ -92,11 +92,6 @@ def execute(path: Path, variables: dict[str, str], cell_seconds: float) -> tuple
     return notebook, notebook.metadata[site.METADATA_KEY].get("stopped", "")
 
 
-# What a failed check raises: `assert`'s AssertionError, or gk.check's CheckFailed (an AssertionError, named so in
-# the cell's error output).
-CHECK_ERRORS = ("AssertionError", "CheckFailed")
-
-
 def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, str]:
     """(outcome, detail) of a run of `mutant` (RECORD: the baseline, "passed" or BASELINE_FAILED)."""
     error = first_error(notebook)
@@ -109,7 +104,9 @@ def classify(notebook, stopped: str, mutant: str, calls: Calls) -> tuple[str, st
         return (SURVIVED if mutant in calls.changed else NOT_APPLICABLE), ""
     if mutant not in calls.changed:
         return CRASHED, f"{detail} (the mutant changed nothing: the lesson failed by itself)"
-    return (KILLED if error and error[1] in CHECK_ERRORS and error[3] else CRASHED), detail
+    # A check cell's assert, or gk.check's CheckFailed (an AssertionError, named as its own class in the output).
+    killed = error and error[1] in ("AssertionError", "CheckFailed") and error[3]
+    return (KILLED if killed else CRASHED), detail
 
 
 def run_one(path: Path, mutant: str, profile: str, cell_seconds: float = CELL_SECONDS) -> Run:

@@ -10,6 +10,7 @@ import os
 import pickle
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -565,21 +566,33 @@ def test_loader_rate_and_diagnose_on_cuda(fake_cuda, one_thread):
 
 
 def _kernels_for(share: float, profiled: list):
-    """kernel_seconds made up: the kernels ran `share` of the host's time for the calls (the fake GPU has none)."""
+    """kernel_seconds made up: the kernels ran `share` of the host's time for the calls (the fake GPU has none),
+    on the clock the test gives diagnose (this process's CPU time)."""
 
     def kernel_seconds(function, calls, device):
         profiled.append((calls, device))
-        started = time.perf_counter()
+        started = time.process_time()
         for _ in range(calls):
             function()
-        return share * (time.perf_counter() - started)
+        return share * (time.process_time() - started)
 
     return kernel_seconds
 
 
 def test_diagnose_on_cuda_turns_the_kernels_share_of_the_step_into_a_verdict(fake_cuda, one_thread, monkeypatch):
+    """The shares come from diagnose's clock; here that clock is this process's CPU time, so that time the process
+    spends waiting for a core (other processes beside it) counts nowhere: with the wall clock, one wait outside the
+    step's calls read a host share of 0.22 under load, where the fake's host is in its calls nearly all the time."""
     resident = [tuple(tensor.to("cuda") for tensor in _images(8))]  # batches already on the device: never input-bound
     profiled = []
+    monkeypatch.setattr(bottleneck, "time", types.SimpleNamespace(perf_counter=time.process_time, sleep=time.sleep))
+    synchronize = bottleneck.synchronize
+
+    def waiting(device):  # as a busy machine does: 0.2 s without a core, outside the step's calls (wall 0.22 read)
+        time.sleep(0.2)
+        synchronize(device)
+
+    monkeypatch.setattr(bottleneck, "synchronize", waiting)
     monkeypatch.setattr(bottleneck, "kernel_seconds", _kernels_for(0.1, profiled))
     small = gk.data.diagnose(resident, _linear_model(), steps=8, warmup=1, device="cuda")
     assert profiled == [(bottleneck.PROFILED_STEPS, CUDA)]
@@ -777,6 +790,61 @@ def test_the_fake_is_undone_after_the_test():
         gk.detect(), allocator.watch_out_of_memory()  # gpukit's own caches of the GPU
         assert _cuda_layer() != before
     assert all(now is then for now, then in zip(_cuda_layer(), before, strict=True))
+
+
+SOURCE = """
+def train(device, model):
+    cuda = device.type == "cuda"
+    setup()
+    if cuda:
+        torch.cuda.synchronize(device)
+    if device.type != "cuda":
+        return model
+    helper()
+    return model
+
+def helper():
+    return 1
+
+def check(device):
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError("no")
+    return 2
+
+def use(device, where):
+    n = 0
+    if where == "cuda" and device.type == "cpu":
+        n = 1
+    check(device)
+    n += torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return n
+"""
+
+
+def test_the_gpu_only_statements_are_derived_from_the_source_so_a_new_branch_counts_at_once():
+    """tests/gpu_lines.py finds GPU-only code by its form, not from a list kept by hand: a branch on the device's
+    type (here through a name bound to it), what follows a guard that returns or raises off CUDA, what follows a
+    call to such a guard function, and a helper only such code calls; not a branch on a string that is no device's,
+    nor a statement whose CUDA call sits in one arm of a conditional expression."""
+    import ast
+    from pathlib import Path
+
+    from tests import gpu_lines
+
+    trees = {Path("made_up.py"): ast.parse(SOURCE)}
+    assert gpu_lines.guard_functions(trees) == {"check"}
+    found = gpu_lines.module_regions(trees[Path("made_up.py")], {"check"})
+    assert found["CUDA"] == {6, 9, 10, 18, 25, 26} and found["NVML"] == set()  # 24: the guard call itself runs
+    assert ("memory_allocated", 25) in found["uses"]
+    lines = {kind: {Path("made_up.py"): set(found[kind])} for kind in gpu_lines.KINDS}
+    gpu_lines._add_code_only_gpu_code_uses(trees, lines, set())
+    assert lines["CUDA"][Path("made_up.py")] == {6, 9, 10, 13, 18, 25, 26}  # helper(): called from line 9 only
+    derived = gpu_lines.derived_lines()["CUDA"]
+    measuring = derived[gpu_lines.PACKAGE / "memory" / "measuring.py"]
+    allocate = gpu_lines._function(
+        ast.parse((gpu_lines.PACKAGE / "memory" / "measuring.py").read_text()), "allocate_cublas_workspaces"
+    )
+    assert gpu_lines._lines(allocate.body) <= measuring  # only breakdown's CUDA branch calls it
 
 
 @pytest.mark.slow

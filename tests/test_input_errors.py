@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpukit as gk
 from gpukit.step import Loss
 from gpukit.train import NonFiniteLossError
-from gpukit.train.checks import check_host_targets
+from gpukit.train.batch_checks import check_host_targets
 from gpukit.train.data import batches
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import Dataset
 
 import gpukit as gk
-from gpukit.train import checkpoint, loop
+from gpukit.train import checkpoint, checkpoint_file, loop
 from gpukit.train.checkpoint import read_checkpoint
 from gpukit.widgets import Progress
 from tests.helpers import tiny_gpt
@@ -192,8 +192,8 @@ def places(monkeypatch):
     """The places that are functions of gpukit's, wrapped to count their calls."""
     write = checkpoint.write_checkpoint
     monkeypatch.setattr(checkpoint, "write_checkpoint", counted("save before", counted("save after", write, "after")))
-    monkeypatch.setattr(checkpoint._Hashing, "write", counted("save write", checkpoint._Hashing.write))
-    monkeypatch.setattr(loop, "_log", counted("log", loop._log))
+    monkeypatch.setattr(checkpoint_file._Hashing, "write", counted("save write", checkpoint_file._Hashing.write))
+    monkeypatch.setattr(loop, "write_row", counted("log", loop.write_row))
     monkeypatch.setattr(Progress, "epoch_done", counted("epoch shown", Progress.epoch_done))
     monkeypatch.setattr(Progress, "close", counted("close", Progress.close, "after"))
     # (OneCycleLR steps once as it is built: its n-th call is the schedule's step after optimizer step n - 1)

@@ -33,6 +33,7 @@ LAYERS = [
         "gpukit.jupyter",
         "gpukit.shipped",
         "gpukit.figures",  # matplotlib only: the Figure every plot returns
+        "gpukit.claims",  # gk.check and its kin: a lesson's check in one line
     },
     {
         "gpukit.data",
@@ -45,10 +46,12 @@ LAYERS = [
         "gpukit.site",  # runs the lessons as gpu-check does (its child_environment)
     },
     {"gpukit.bench", "gpukit.memory", "gpukit.widgets", "gpukit.hardware.monitor", "gpukit.inference"},
-    {"gpukit.gpuledger"},  # plans make gpu-check's runs (gpucheck) within a lease
+    {"gpukit.gpuledger"},  # plans make gpu-check's runs within a lease
+    {"gpukit.gpulease"},  # runs that plan with gpucheck's steps, writing each as it ends
     {"gpukit.compiling", "gpukit.fp8"},  # regional compilation (uses bench and memory), FP8 numerics
     {"gpukit.distributed", "gpukit.hardware"},
     {"gpukit.train"},
+    {"gpukit.practice"},  # the lessons' exercises: their checks train, launch and measure with everything below
     {"gpukit.cli", "gpukit.__main__"},
 ]
 

@@ -269,7 +269,8 @@ def executed(*cells: tuple[str, str | None]) -> nbformat.NotebookNode:
     "cells, stopped, changed, outcome",
     [
         ([("x = 1", None), ("assert x == 2", "AssertionError")], "", True, mutants.KILLED),
-        ([("gk.check(x == 2, 'two')", "CheckFailed")], "", True, mutants.KILLED),  # gpukit.claims' failed check
+        ([("gk.check_between(x, 0.8, 1.25, 'a claim')", "CheckFailed")], "", True, mutants.KILLED),  # gk.check's
+        ([("x = f()", "CheckFailed")], "", True, mutants.CRASHED),  # a check helper called outside a check cell
         ([("x = f()", "AssertionError")], "", True, mutants.CRASHED),  # gpukit's own assert, in no check cell
         ([("x = {}[1]", "KeyError")], "", True, mutants.CRASHED),
         ([("x = 1", None)], "CellTimeoutError: cell 0", True, mutants.CRASHED),

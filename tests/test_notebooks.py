@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gpukit import site
+
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # The kernel `make setup` installs; JupyterLab rewrites (and autosaves) a notebook whose kernelspec differs.
@@ -69,33 +71,32 @@ def sections(notebook: dict) -> list[tuple[str, list[dict]]]:
 
 
 def asserts(node: ast.AST, branched: bool = False) -> Iterator[bool]:
-    """For each assert statement or gk.check / gk.check_between call under `node` (gk.skip_check is no claim
-    checked): whether it sits inside an `if` (a claim checked only sometimes)."""
+    """For each assert statement or gk.check / gk.check_between call under `node`: whether it sits inside an `if`
+    (a claim checked only sometimes)."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.Assert) or is_check_call(child):
+        if site.is_check_node(child) and not _is_skip(child):
             yield branched
         yield from asserts(child, branched or isinstance(child, ast.If))
 
 
-CHECKING_CALLS = ("check", "check_between")  # gpukit.claims' helpers that check (skip_check only says it skipped)
-
-
-def is_check_call(node: ast.AST) -> bool:
-    """A call of gk.check or gk.check_between (or of the bare names)."""
-    if not isinstance(node, ast.Call):
-        return False
-    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-    return name in CHECKING_CALLS
+def _is_skip(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "skip_check"
 
 
 def is_check(cell: dict) -> bool:
-    """A code cell that asserts always, or only in a branch (a GPU-only claim) when it also prints what it
-    skipped otherwise ("skipped: … needs a CUDA GPU", or gk.skip_check): never a claim dropped in silence."""
+    """A code cell that checks always, or only in a branch (a GPU-only claim) when it also says what it skipped
+    otherwise (gk.skip_check, or a line "skipped: … needs a CUDA GPU"): never a claim dropped in silence."""
     if cell["cell_type"] != "code":
         return False
     source = "".join(cell["source"])
     branched = list(asserts(ast.parse(source)))
     return (False in branched) or (bool(branched) and ("skipped" in source or "skip_check(" in source))
+
+
+def is_practice(cell: dict) -> bool:
+    """A cell of a lesson's Practice section (gpukit.practice.cells): exercises the learner answers, checked by
+    tests/test_practice.py, not claims the lesson makes."""
+    return "exercise" in cell.get("metadata", {}).get("gpukit", {})
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -105,7 +106,8 @@ def test_every_section_with_code_ends_with_a_check(path):
     unchecked = [
         heading
         for heading, cells in sections(json.loads(path.read_text()))
-        if (code := [cell for cell in cells if cell["cell_type"] == "code"]) and not is_check(code[-1])
+        if (code := [cell for cell in cells if cell["cell_type"] == "code" and not is_practice(cell)])
+        and not is_check(code[-1])
     ]
     assert not unchecked, (
         f"{path.name}: end these sections with an assert cell that checks what they measured: {unchecked}"

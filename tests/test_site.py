@@ -101,10 +101,10 @@ def test_a_check_is_a_cell_with_an_assert_statement():
     assert site.is_check("if gpu:\n    assert a < b, 'slower'\nelse:\n    print('skipped: needs a GPU')")
     assert not site.is_check("# we assert nothing here\nprint('assert')")
     assert not site.is_check("x = 1")
-    assert site.is_check("gk.check(ratio < 2, 'fast enough')")  # gpukit.claims' helpers are checks too
-    assert site.is_check("gk.check_between(ratio, 0.9, 1.1, 'agrees')")
+    # The lessons' check helpers (gpukit/claims.py) make a check cell too; a print or a comment naming them does not.
+    assert site.is_check("gk.check_between(ratio, 0.8, 1.25, 'the timer agrees with a hand clock')")
     assert site.is_check("if gpu:\n    gk.check(a < b, 'faster')\nelse:\n    gk.skip_check('faster', 'no GPU')")
-    assert not site.is_check("checked = check_cells(notebook)")  # a name that merely contains "check"
+    assert not site.is_check("# gk.check(a, 'b') is what we would call\nprint('gk.check')")
 
 
 def test_describe_reads_the_run_the_checks_and_the_figures():

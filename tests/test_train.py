@@ -1151,9 +1151,9 @@ def test_fit_makes_no_more_python_calls_per_step_than_a_step_needs(one_thread):
     and the last row cancel). A step of the default path needs 24, one each: read the batch (batch_on_device); run
     it, a failure explained with its number (_train_on, _micro_step, distributed.no_sync); forward (TrainStep.forward,
     Precision.autocast, Batch.call, Loss.__call__, Loss.plain_classes, _cross_entropy, unpack_outputs); backward
-    (TrainStep.backward, Precision.backward); the sums (Tally.add, Tally._hold, Batch.is_sequence, _Window.add,
+    (TrainStep.backward, Precision.backward); the sums (Tally.add, Tally._hold, Batch.is_sequence, LogWindow.add,
     RunningSums.defer for each); the optimizer step (_optimizer_step, its list of lrs, TrainStep.step, Precision.step,
-    _Run.done). A History row every 10 steps (18 calls) and the deferred sums and held accuracy added every 32
+    Run.done). A History row every 10 steps (18 calls) and the deferred sums and held accuracy added every 32
     (about 20) make 2.4 more a step: 26.4, measured. Bound 27: one more helper call per step fails it (27.4).
     Before the step was trimmed it made 52.8 (split_batch's tests of every form, Loss's, loss_parts twice)."""
     package = str(Path(gk.__file__).parent)

@@ -2,7 +2,8 @@
 # Download the wheels of tools/gpu-wheels.txt for an offline x86-64 Linux GPU machine with Python 3.12 (the lent
 # H100/H200 image), from a machine with internet, at the checkout's root:
 #   bash tools/gpu_wheels.sh [DEST]        # DEST defaults to .whl (git-ignored)
-# On the GPU machine, tools/gpu_lease.sh installs them in seconds (pip --no-index --no-deps --target).
+# On the GPU machine, tools/gpu_lease.sh installs them in seconds (pip --no-index --no-deps --target); before each
+# call, `bash tools/gpu_lease.sh prepare` adds .whl/lease.json (the commit: the device's copy has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=${1:-.whl}

@@ -9,15 +9,18 @@ runs/lesson-times/<date-time>/ (ignored by git).
 
     python tools/lesson_times.py --profile cpu                 # every lesson, laptop sizes
     python tools/lesson_times.py --profile cpu --only 01 06    # lessons whose names start with 01 or 06
+    python tools/lesson_times.py --profile tiny --busy 2       # CI's normal state: two busy processes beside it
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -63,21 +66,37 @@ def time_lesson(notebook: Path, profile: str, logs: Path, cell_seconds: int, les
     }  # fmt: skip
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """`count` processes that spin on a core each for as long as the block runs: the load CI's other jobs put on the
+    machine, so that a timing check that only holds on a quiet machine fails here first."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait(timeout=30)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="cpu", choices=("tiny", "cpu", "gpu"))
     parser.add_argument("--only", nargs="+", metavar="PREFIX", help="lessons whose names start with these")
     parser.add_argument("--cell-seconds", type=int, default=900, help="nbval's limit for one cell")
     parser.add_argument("--lesson-seconds", type=int, default=1800, help="a lesson is stopped after this")
+    parser.add_argument("--busy", type=int, default=0, metavar="N", help="N busy processes beside each lesson")
     args = parser.parse_args(argv)
     logs = ROOT / "runs" / "lesson-times" / datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     logs.mkdir(parents=True)
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"Python {platform.python_version()}, profile {args.profile}; logs in {logs}", flush=True)  # fmt: skip
+          f"Python {platform.python_version()}, profile {args.profile}, {args.busy} busy process(es) beside it; "
+          f"logs in {logs}", flush=True)  # fmt: skip
     rows = []
-    for notebook in chosen((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"), args.only):
-        rows.append(time_lesson(notebook, args.profile, logs, args.cell_seconds, args.lesson_seconds))
-        print(rows[-1], flush=True)
+    with busy_processes(args.busy):
+        for notebook in chosen((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"), args.only):
+            rows.append(time_lesson(notebook, args.profile, logs, args.cell_seconds, args.lesson_seconds))
+            print(rows[-1], flush=True)
     print("\n".join(markdown_table(list(rows[0]), rows)) if rows else "no lesson matched")
     return 0 if all(row["result"] == "pass" for row in rows) else 1
 

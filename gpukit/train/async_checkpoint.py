@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_map
 
-from .checkpoint import write_checkpoint
+from .checkpoint_file import write_checkpoint
 
 __all__ = ["BackgroundWriter", "snapshot"]
 

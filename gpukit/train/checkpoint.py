@@ -1,4 +1,4 @@
-"""Save a run and resume it exactly: `fit(checkpoint_dir=..., save_every=N)`.
+"""Save a run and resume it exactly: `fit(saving=gk.Saving(folder, every=N))` (checkpoint_dir=, save_every=).
 
 A checkpoint (`last.pt`) holds what the rest of the run depends on, so that a run killed anywhere and run
 again with the same folder ends bit-equal to one never interrupted:
@@ -12,37 +12,45 @@ again with the same folder ends bit-equal to one never interrupted:
 A resumed epoch restores the state its order came from, reads past the batches already trained on (their
 augmentation draws again, so the generators end where they were), then restores the generators of the save.
 
-The file is what `torch.save` writes, then one line with the SHA-256 and length of those bytes, checked before
-`torch.load`: a damaged or truncated file is a CheckpointError naming it, never garbage weights. `torch.load`
-reads the file as it is, so the weights stay readable without gpukit.
+The file, with its checksum: checkpoint_file.py; the generators, the data's order, the running sums and what a resume
+may change: saved_state.py; here, the Checkpointer that saves and resumes a run.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
-import pickle
-import random
-import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from .. import distributed
-from ..files import lock_folder, remove_stale_temporaries, write_atomic
+from ..files import lock_folder, remove_stale_temporaries
+from .checkpoint_file import CheckpointError, read_checkpoint, write_checkpoint
 from .checks import NonFiniteLossError
 from .data import batches
+from .saved_state import (
+    _TALLY_FIELDS,
+    _WINDOW_FIELDS,
+    _changes,
+    _check_entries,
+    _check_same_model,
+    _check_same_trained,
+    _group_changes,
+    _hyperparameters,
+    _length_refusal,
+    _load_sums,
+    _new_schedule,
+    _sums_state,
+    _trained,
+    global_generators,
+    order_state,
+    restore_global_generators,
+    restore_order,
+)
 from .tally import callers_stacklevel
 
-FORMAT = 2  # 1: gpukit's earlier files (torch.save's bytes alone: no checksum, data order or generators)
-# Keys a schedule writes into the optimizer's groups: the rest (weight_decay, momentum, betas, ...) shape the run.
-# ("step": timm's LAMB counts its steps in each group.)
-_SCHEDULE_KEYS = ("params", "lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "step")
 _NEW_SCHEDULE = ("lr", "schedule", "warmup")  # settings that extending a finished run may change
 _LAYOUT = {  # the plan's entries that a resume must keep, as a message names them
     "batch_size": "batch_size",
@@ -50,380 +58,6 @@ _LAYOUT = {  # the plan's entries that a resume must keep, as a message names th
     "world_size": "the number of processes",
     "steps_per_epoch": "the optimizer steps per epoch",
 }
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be resumed (damaged, truncated, or not the run this call describes), or cannot be saved
-    (a full or read-only disk): the message names the cause, what to do, and the save kept."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The file: torch.save's bytes, then a line with their checksum
-
-
-def _trailer(digest: bytes, size: int) -> bytes:
-    return b"\ngpukit-checkpoint %d sha256=%s bytes=%016d\n" % (FORMAT, digest.hex().encode(), size)
-
-
-_TRAILER = re.compile(rb"\ngpukit-checkpoint (\d+) sha256=([0-9a-f]{64}) bytes=(\d{16})\n\Z")
-_TRAILER_LENGTH = len(_trailer(bytes(32), 0))
-_END_OF_ZIP = b"PK\x05\x06"  # how the bytes of torch.save end (the zip's last record, 22 bytes, no comment)
-
-
-class _Hashing:
-    """A write-only file that hashes and counts what passes through it (torch.save needs write and flush)."""
-
-    def __init__(self, file):
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-        self.error: OSError | None = None  # a failed write (a full disk), which torch may re-raise as a RuntimeError
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        try:
-            return self.file.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def write_checkpoint(state: dict, path: Path) -> None:
-    """torch.save `state` to `path`, then a line with the SHA-256 and length of its bytes; atomically.
-
-    torch.load reads such a file as it is (a zip archive may be followed by other bytes), so the weights
-    stay readable without gpukit; read_checkpoint checks the line first.
-    """
-
-    def write(file) -> None:
-        hashing = _Hashing(file)
-        try:
-            torch.save(state, hashing)
-        except RuntimeError as error:
-            if isinstance(error.__context__, KeyboardInterrupt):  # Ctrl-C while torch's C++ writer called write()
-                raise error.__context__ from None  # as Ctrl-C, not torch's "unexpected pos" RuntimeError
-            if hashing.error is None:
-                raise
-            raise hashing.error from None  # the disk's own error (ENOSPC, EROFS), not torch's "unexpected pos"
-        file.write(_trailer(hashing.sha256.digest(), hashing.size))
-
-    remove_stale_temporaries(path)
-    write_atomic(path, write)
-
-
-def read_checkpoint(path: Path) -> dict:
-    """The state in `path`, its checksum verified first; any fault is a CheckpointError that names the file."""
-    remove_stale_temporaries(path)  # a save killed mid-write left them; they are never read
-    where = f"cannot resume from {path}"
-    if Path(path).is_dir():
-        raise CheckpointError(
-            f"{where}: it is a folder, where gpukit saves the run as a file of that name; move or rename the folder "
-            "(gpukit never deletes it), or pass another checkpoint_dir."
-        )
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise CheckpointError(f"{where}: {error}.") from error
-    afresh = "delete it (or pass a new checkpoint_dir) to start afresh, or restore it from a copy"
-    if not data:
-        raise CheckpointError(
-            f"{where}: it is empty (0 bytes): something other than gpukit's saves, which never leave a partial file, "
-            f"cut it short (a copy, a full disk); {afresh}."
-        )
-    match = _TRAILER.search(data, max(0, len(data) - _TRAILER_LENGTH - 8))  # (a format number of up to 9 digits)
-    if match is None and data[-22:].startswith(_END_OF_ZIP):
-        raise CheckpointError(
-            f"{where}: it was written by an earlier gpukit, without a checksum or the data's order, and cannot be "
-            "resumed exactly (torch.load still reads its weights); delete it or pass a new checkpoint_dir."
-        )
-    if match is None:
-        raise CheckpointError(
-            f"{where}: it is truncated, or no gpukit checkpoint: its {len(data):,} bytes do not end with the "
-            f"checksum line gpukit writes last; {afresh}."
-        )
-    size, payload = int(match[3]), memoryview(data)[: match.start()]
-    if int(match[1]) > FORMAT:
-        raise CheckpointError(
-            f"{where}: a newer gpukit wrote it (checkpoint format {int(match[1])}; this gpukit reads up to {FORMAT}). "
-            "Upgrade gpukit to the version that wrote it (or a later one) to resume it, or pass a new checkpoint_dir "
-            "to start afresh and keep this file as it is."
-        )
-    if int(match[1]) != FORMAT:
-        raise CheckpointError(f"{where}: it is in format {int(match[1])}, this gpukit reads {FORMAT}; {afresh}.")
-    if size != len(payload) or hashlib.sha256(payload).hexdigest() != match[2].decode():
-        raise CheckpointError(
-            f"{where}: it is damaged: its bytes no longer match the SHA-256 and length saved with them (the disk or "
-            f"a copy changed them); {afresh}."
-        )
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # it reads up to the line
-    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as error:
-        raise CheckpointError(f"{where}: it is intact but torch.load cannot read it ({error}); {afresh}.") from error
-
-
-# ---------------------------------------------------------------------------------------------
-# Generators: the global ones, and those a loader holds
-
-
-def _save_generator(generator) -> tuple | None:
-    if isinstance(generator, torch.Generator):
-        return ("torch", generator.get_state())
-    if isinstance(generator, np.random.Generator):
-        return ("numpy", generator.bit_generator.state)
-    if isinstance(generator, np.random.RandomState):
-        name, keys, position, has_gauss, gauss = generator.get_state()
-        return ("numpy-legacy", (name, keys.tolist(), position, has_gauss, gauss))
-    if isinstance(generator, random.Random):
-        return ("python", generator.getstate())
-    return None
-
-
-def _load_generator(generator, saved: tuple) -> None:
-    kind, state = saved
-    if kind == "torch":
-        generator.set_state(state)
-    elif kind == "numpy":
-        generator.bit_generator.state = state
-    elif kind == "numpy-legacy":
-        name, keys, position, has_gauss, gauss = state
-        generator.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
-    else:
-        generator.setstate(state)
-
-
-def global_generators(device: torch.device) -> dict:
-    """Every global generator's state: torch's CPU one, the CUDA device's (on CUDA), NumPy's and Python's."""
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": _save_generator(np.random.mtrand._rand),
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_global_generators(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    _load_generator(np.random.mtrand._rand, state["numpy"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _order_parts(loader) -> dict[str, object]:
-    """What decides the order of `loader`'s batches, by role."""
-    if not isinstance(loader, DataLoader):
-        return {"data": loader}
-    parts = {"loader": loader, "sampler": loader.sampler, "batch_sampler": loader.batch_sampler}
-    parts["batch_sampler.sampler"] = getattr(loader.batch_sampler, "sampler", None)
-    if isinstance(loader.dataset, IterableDataset):
-        parts["dataset"] = loader.dataset
-    return {role: part for role, part in parts.items() if part is not None}
-
-
-def _stateful(part) -> bool:
-    return callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))
-
-
-def order_state(loader) -> dict:
-    """The state `loader`'s next epoch draws its order from: its parts' generators and state_dicts."""
-    state = {}
-    for role, part in _order_parts(loader).items():
-        attributes = getattr(part, "__dict__", {})
-        saved = {name: _save_generator(value) for name, value in attributes.items()}
-        state[role] = {"generators": {name: value for name, value in saved.items() if value is not None}}
-        if _stateful(part) and not isinstance(part, DataLoader):
-            state[role]["state_dict"] = part.state_dict()
-    return state
-
-
-def restore_order(loader, state: dict) -> None:
-    for role, part in _order_parts(loader).items():
-        saved = state.get(role, {})
-        if "state_dict" in saved:
-            part.load_state_dict(saved["state_dict"])
-        for name, generator in saved.get("generators", {}).items():
-            _load_generator(getattr(part, name), generator)
-
-
-def _replayable(part) -> bool:
-    module = type(part).__module__
-    return (
-        isinstance(part, (list, tuple))
-        or module.startswith(("torch.utils.data", "gpukit."))
-        or (_stateful(part) and not isinstance(part, DataLoader))
-    )
-
-
-def warn_if_order_cannot_be_saved(loader) -> None:
-    """A warning, before any work, where a resumed run may not see the batches an uninterrupted one would."""
-    problems = [
-        f"its {role} is a {type(part).__name__} without state_dict()/load_state_dict()"
-        for role, part in _order_parts(loader).items()
-        if not _replayable(part)
-    ]
-    if isinstance(loader, DataLoader) and loader.num_workers > 0 and loader.persistent_workers:
-        problems.append("persistent_workers=True keeps each worker's random state from epoch to epoch")
-    if problems:
-        warnings.warn(
-            f"checkpoint_dir: fit cannot save the exact place of the {type(loader).__name__} passed as train_data "
-            f"({'; '.join(problems)}). A resumed run replays the epoch from the global generators and the generators "
-            "among its attributes, which is exact only if it draws from nothing else. For an exact resume pass the "
-            "Dataset and batch_size, or a DataLoader with a torch.utils.data sampler (generator=torch.Generator()) "
-            "and persistent_workers=False.",
-            stacklevel=callers_stacklevel(),  # the line of yours that called fit
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Running sums (fit's Tally and log window), which stay on the device between saves
-
-
-def _sums_state(holder, names: tuple[str, ...]) -> dict:
-    values = {name: value.cpu() for name, value in holder.sums.values.items()}  # one synchronisation, at a save
-    return {"values": values} | {name: getattr(holder, name) for name in names}
-
-
-def _load_sums(holder, state: dict, device: torch.device) -> None:
-    holder.sums.values = {name: value.to(device) for name, value in state["values"].items()}
-    for name, value in state.items():
-        if name != "values":
-            setattr(holder, name, value)
-
-
-_TALLY_FIELDS = ("samples", "accuracy", "sequences")
-_WINDOW_FIELDS = ("sequences", "micro_batches", "samples", "steps", "lrs")
-
-
-# ---------------------------------------------------------------------------------------------
-# What a resume may change
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's settings that no schedule changes (weight_decay, momentum, betas, ...)."""
-    plain = (int, float, str, bool, tuple, type(None))
-    return [
-        {key: value if isinstance(value, plain) else repr(value) for key, value in group.items()}
-        for group in ({k: v for k, v in g.items() if k not in _SCHEDULE_KEYS} for g in optimizer.param_groups)
-    ]
-
-
-def _changes(saved: dict, now: dict, names) -> list[str]:
-    return [f"{name} ({saved.get(name)!r} → {now.get(name)!r})" for name in names if saved.get(name) != now.get(name)]
-
-
-def _group_changes(saved: list[dict], now: list[dict]) -> list[str]:
-    if len(saved) != len(now):
-        return [f"the optimizer's parameter groups ({len(saved)} → {len(now)})"]
-    changes = {}  # by key: a changed weight_decay is said once, not once per group
-    for before, after in zip(saved, now):
-        for key in sorted(before.keys() | after.keys()):
-            if key not in changes and before.get(key) != after.get(key):
-                changes[key] = f"{key} ({before.get(key)!r} → {after.get(key)!r})"
-    return list(changes.values())
-
-
-def _shape(value) -> tuple:
-    return tuple(getattr(value, "shape", ()))  # a module's extra state need not be a tensor
-
-
-def _check_same_model(saved: dict, model: dict, path: Path) -> None:
-    """Refuse, before a tensor is copied, weights whose names, shapes or dtypes differ from the model's."""
-    differences = [f"{name} is not in the file" for name in model.keys() - saved.keys()]
-    differences += [f"{name} is not in this model" for name in saved.keys() - model.keys()]
-    differences += [
-        f"{name} is {_shape(saved[name])} there, {_shape(tensor)} here"
-        for name, tensor in model.items()
-        if name in saved and _shape(saved[name]) != _shape(tensor)
-    ]
-    if differences:
-        raise CheckpointError(
-            f"cannot resume from {path}: it holds another model's weights ({'; '.join(sorted(differences)[:3])}"
-            f"{'; ...' if len(differences) > 3 else ''}); pass the model it was trained with, or a new checkpoint_dir."
-        )
-    dtypes = {  # load_state_dict would cast them without a word: the run would not go on as saved
-        name: (saved[name].dtype, tensor.dtype)
-        for name, tensor in model.items()
-        if torch.is_tensor(tensor) and torch.is_tensor(saved[name]) and saved[name].dtype != tensor.dtype
-    }
-    if dtypes:
-        name, (there, here) = next(iter(dtypes.items()))
-        raise CheckpointError(
-            f"cannot resume from {path}: its weights are {there} and this model's are {here} ({name}, and "
-            f"{len(dtypes) - 1} more); convert the model back (model.to({there})) to resume the run saved there, or "
-            "pass a new checkpoint_dir."
-        )
-
-
-_ENTRIES = ("epoch", "step", "position", "plan", "settings", "optimizer_groups", "schedule_start", "model")
-_ENTRIES += ("optimizer", "scheduler", "precision", "history", "ranks")  # what fit saves, all read on resume
-
-
-def _check_entries(state, path: Path) -> None:
-    missing = [name for name in _ENTRIES if name not in state] if isinstance(state, dict) else list(_ENTRIES)
-    if missing:
-        raise CheckpointError(
-            f"cannot resume from {path}: it is intact but lacks what fit saves ({', '.join(missing)}), so another "
-            "program wrote it (gk.fit's saves hold them all); pass a new checkpoint_dir to start afresh and keep it, "
-            "or load what it holds with torch.load."
-        )
-
-
-def _trained(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of the parameters `optimizer` updates, in its order (what its saved state is indexed by)."""
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
-    return [names.get(id(parameter), "?") for group in optimizer.param_groups for parameter in group["params"]]
-
-
-def _check_same_trained(state: dict, model: torch.nn.Module, optimizer, path: Path) -> None:
-    """Refuse a resume after parameters were frozen or unfrozen (requires_grad) since the save, naming them."""
-    now = _trained(model, optimizer)
-    saved = state.get("trained")  # (not in the files of before it was saved: then torch's optimizers' count tells)
-    saved_groups = state["optimizer"].get("param_groups", [{"params": now}])  # (gpukit's Muon saves two optimizers)
-    saved_count = sum(len(group["params"]) for group in saved_groups)
-    if (set(saved) == set(now)) if saved is not None else len(now) == saved_count:
-        return  # (the same set in another order: another optimizer's groups, which _check names)
-    frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
-    if saved is not None:
-        dropped = [name for name in saved if name not in now]
-        changes = [f"{name} was trained, is {'frozen' if name in frozen else 'left out'} now" for name in dropped]
-        changes += [f"{name} is trained now, was not" for name in now if name not in saved]
-    else:
-        changes = [f"{saved_count} parameters were trained, {len(now)} are now"] + [
-            f"{name} is frozen" for name in frozen
-        ]
-    raise CheckpointError(
-        f"cannot resume from {path}: the set of trainable parameters changed since the save ({'; '.join(changes[:4])}"
-        f"{'; ...' if len(changes) > 4 else ''}): a layer frozen or unfrozen (requires_grad), so the saved optimizer "
-        "state fits other parameters. Set requires_grad as it was to resume that run; or, to train the new set from "
-        f"its weights, model.load_state_dict(torch.load({str(path)!r})['model']) and pass a new checkpoint_dir."
-    )
-
-
-def _length_refusal(step: int, saved_total: int | None, total: int | None) -> str:
-    if saved_total is not None and step >= saved_total:
-        return (
-            f"the run saved there is finished after {step} optimizer steps, more than the {total} this call plans; "
-            f"pass epochs (or max_steps) that reach past step {step} to train on, or a new checkpoint_dir."
-        )
-    return (
-        f"the run saved there stopped at optimizer step {step} of the {saved_total or 'unbounded'} it planned, and this "
-        f"call plans {total or 'no end'} (epochs or max_steps changed). Its schedule spans the planned steps and cannot "
-        "be stretched exactly: finish it with the epochs and max_steps it began with, then call again with more epochs "
-        "to go on with a new schedule; or pass a new checkpoint_dir."
-    )
-
-
-def _new_schedule(optimizer, peaks: list[float], build_schedule: Callable, steps: int | None):
-    """A fresh schedule from each group's peak lr over `steps` (what extending a finished run trains on)."""
-    for group, peak in zip(optimizer.param_groups, peaks):
-        for key in ("initial_lr", "max_lr", "min_lr"):
-            group.pop(key, None)  # the previous schedule's: a new one sets its own
-        group["lr"] = peak
-    return build_schedule(optimizer, total_steps=steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +70,8 @@ class Checkpointer:
     plan: how the run's optimizer steps are laid out (total_steps, steps_per_epoch, batch_size, accumulate,
     world_size); settings: the hyper-parameters that shape it (lr, optimizer, schedule, warmup, clip,
     precision, label_smoothing, seed); save_every: optimizer steps between saves within an epoch, or None.
-    `run` below is fit's _Run (model, step.optimizer, scheduler, precision, history, loader, total_steps).
+    `run` below is fit's Run (gpukit.train.run: model, step.optimizer, scheduler, precision, history, loader,
+    total_steps).
     """
 
     def __init__(self, directory: str | Path, plan: dict, settings: dict, *, save_every: int | None, device):

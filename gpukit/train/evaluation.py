@@ -31,22 +31,38 @@ def evaluate(
     over_ranks: bool = False,
     shifted_labels: bool | None = None,
 ) -> dict:
-    """Mean loss, accuracy (where it means something, see gpukit.step) and `metrics` of `model` on
-    `data` (a Dataset, a loader or a re-iterable of batches of any form), in eval mode, on `device`
-    (default: where the model's parameters or buffers are; a model with neither runs on the best device here).
+    """Mean loss, accuracy (where it means something, see gpukit.step.losses) and `metrics` of `model` on `data`, in
+    eval mode (no gradients).
 
     Returns {"loss", "accuracy" (where it applies), one entry per metric, "samples", and for sequence data
     "tokens" and "shifted_labels"}. The loss and metrics are means over samples; accuracy is over scored targets.
-    Tokens are those the loss scores: target entries not equal to -100, counted from labels[:, 1:] where the loss
-    scores the labels shifted by one, as a causal LM's own loss does (Hugging Face's model(input_ids,
-    labels=labels) shifts inside: T - 1 tokens a sequence, 156 where the labels hold 176). shifted_labels=None
-    measures which at the first batch: the model's own loss (or your loss_fn) is compared with cross-entropy of
-    its logits against the labels as given and shifted; where it cannot tell (neither or both match) it counts
-    them as given and warns. The built-in losses score the target as given. The result's "shifted_labels" says
-    which was counted; pass shifted_labels=True or False to say it yourself.
     A model that returns a dict of losses gets one entry per loss too ("loss_classifier", …).
     A batch whose integer targets all equal the loss's ignore_index (-100: padding only) scores nothing: it is
     left out (no loss, no token, no sample), where its mean loss would be 0/0 = NaN; if every batch is, it is an error.
+
+    data: a Dataset, a loader or a re-iterable of batches of any form fit takes (gpukit.step).
+    batch_size: the batch size of the loader built for a Dataset (512 by default); ignored for a loader or any other
+        iterable, which brings its own batches.
+    precision: "fp32", "tf32", "bf16-mixed", "fp16-mixed" or a Precision: evaluated under its autocast, as fit trains.
+    device: where to evaluate (default: where the model's parameters or buffers are; a model with neither runs on the
+        best device here). Batches are moved there.
+    channels_last: 4-D floating-point batches in the channels_last memory layout, as fit's
+        gk.ModelTransforms(channels_last=True) trains them (the model's weights are left as they are).
+    loss_fn: your function of (outputs, target), "cross_entropy", "mse", a PyTorch loss or a gk.step.Loss (default:
+        the model's own loss, else cross-entropy for integer targets), as in fit.
+    metrics: {name: fn(outputs, target) -> a number, or a dict of numbers (an entry "<name>_<key>" each)} per batch,
+        averaged over samples.
+    over_ranks: in a distributed job, every rank takes every world_size-th batch and the sums are
+        added over the ranks (one all-reduce), so every rank returns the same figures, those of the
+        whole data; every rank must call it (fit does, after each epoch). A model sharded with FSDP2
+        gathers its parameters in every forward, a collective all ranks must join: every rank then
+        evaluates every batch. Without it, each rank evaluates all of `data` on its own.
+    shifted_labels: for token sequences, whether the tokens counted are labels[:, 1:]: those the loss scores where it
+        scores the labels shifted by one, as a causal LM's own loss does (Hugging Face's model(input_ids,
+        labels=labels) shifts inside: T - 1 tokens a sequence, 156 where the labels hold 176). None measures which at
+        the first batch: the model's own loss (or your loss_fn) is compared with cross-entropy of its logits against
+        the labels as given and shifted; where it cannot tell (neither or both match) it counts them as given and
+        warns. The built-in losses score the target as given. The result's "shifted_labels" says which was counted.
 
     Detection (batches (images, targets), targets a list of dicts): the model is called as
     model(images, targets) in eval mode, as in training. torchvision's detectors then return their
@@ -56,12 +72,6 @@ def evaluate(
     of (detections, targets) returning a number or a dict of numbers (an entry "<name>_<key>" each) per
     batch, averaged over images. A statistic over the whole set that is no mean of batches (torchmetrics'
     MeanAveragePrecision) takes one batch holding every image, or your own loop over model(images).
-
-    over_ranks: in a distributed job, every rank takes every world_size-th batch and the sums are
-        added over the ranks (one all-reduce), so every rank returns the same figures, those of the
-        whole data; every rank must call it (fit does, after each epoch). A model sharded with FSDP2
-        gathers its parameters in every forward, a collective all ranks must join: every rank then
-        evaluates every batch. Without it, each rank evaluates all of `data` on its own.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module to evaluate, got {type(model).__name__}.")

@@ -1,4 +1,5 @@
-"""What fit does to the model around training, each off unless asked, and undone when fit returns:
+"""What fit does to the model around training (fit's `transforms`, a gk.ModelTransforms), each off unless asked, and
+undone when fit returns:
 
     fp8=True | a torchao Float8LinearConfig        FP8 matmuls in every plain nn.Linear whose dimensions are
                                                     multiples of 16 (gk.fp8.convert: torchao's Float8Linear);
@@ -7,8 +8,7 @@
                                                     the whole model, each block (gk.compiling.compile_regions),
                                                     or the whole model with CUDA graphs;
     offload_activations=True                        saved activations in host memory (gk.memory.offload);
-    save_in_background=True                         checkpoint_dir's saves written by a thread
-                                                    (gpukit.train.async_checkpoint).
+and, with gk.Saving(in_background=True), the thread that writes the saves (gpukit.train.async_checkpoint).
 
 They compose in torchtitan's order: converting to FP8, checkpointing, then compiling, then the data-parallel
 wrapper (torch.compile then traces the FP8 casts and fuses them with their neighbours).
@@ -22,41 +22,21 @@ import torch
 from torch import nn
 
 from .. import fp8 as float8
-from ..compiling import COMPILE_MODES, compile_regions, remove_compiled_regions
-from ..memory.activation_checkpointing import (
-    apply_activation_checkpointing,
-    check_policy,
-    remove_activation_checkpointing,
-)
+from ..compiling import compile_regions, remove_compiled_regions
+from ..memory.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from ..memory.offload import OffloadActivations
 from .async_checkpoint import BackgroundWriter
+from .options import ModelTransforms
 from .tally import callers_stacklevel, predictions_can_wait
 
 
-def check_model_options(activation_checkpointing, compile, offload_activations, save_in_background, checkpoint_dir):
-    """Refuse a wrong value before any work, saying what is accepted."""
-    if activation_checkpointing is not None:
-        check_policy(activation_checkpointing)
-    if not isinstance(compile, (bool, dict)) and compile not in COMPILE_MODES:
-        raise ValueError(
-            f"compile={compile!r} is unknown; use True or 'whole' (the whole model), 'regional' (each repeated "
-            "block: compiles faster), 'reduce-overhead' (the whole model with CUDA graphs), or a dict of "
-            "torch.compile's options."
-        )
-    for name, value in (("offload_activations", offload_activations), ("save_in_background", save_in_background)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}.")
-    if save_in_background and checkpoint_dir is None:
-        raise ValueError("save_in_background=True writes fit's checkpoints in a thread: pass checkpoint_dir too.")
-
-
 class ModelOptions:
-    """The options applied to `model` (FP8 layers, checkpointing and regional compiling, in place), the callable the
+    """The transforms applied to `model` (FP8 layers, checkpointing and regional compiling, in place), the callable the
     step runs (`forward`), and `undo` for when training ends. `fp8_config`: gk.fp8.training_config's answer."""
 
-    def __init__(
-        self, model: nn.Module, device: torch.device, activation_checkpointing, compile, offload_activations, fp8_config
-    ):
+    def __init__(self, model: nn.Module, device: torch.device, transforms: ModelTransforms, fp8_config):
+        activation_checkpointing, compile = transforms.activation_checkpointing, transforms.compile
+        offload_activations = transforms.offload_activations
         self.model, self.compile = model, compile
         self.predictions_can_wait = predictions_can_wait(model, device, compile)  # before fit compiles any block
         self.writer: BackgroundWriter | None = None

@@ -1,0 +1,154 @@
+"""Mistakes found in the data while training, each named with the batch and what to do:
+
+check_host_targets   on a GPU, each batch's integer class targets read on the host before their copy: one out of
+                     range would end the process in a device-side assert;
+failed_batch_cause   when a training step fails: the cause read from the batch's data (a target out of
+                     range, a batch of one sample under BatchNorm, token ids beyond the embedding), or None;
+check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand, or no target of it scored
+                     (all ignored), is a problem in the data;
+warn_if_scalars_ignored  at the first step: scalar tensors the model returns beside its prediction (an
+                     auxiliary loss) that the loss leaves out, said once per fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
+
+from ..step import Batch, BatchError, Loss, describe_value, named_outputs, split_batch, unpack_outputs
+from .checks import NonFiniteInputError, _is_float_tensor, describe, is_class_tensor
+from .tally import callers_stacklevel
+
+
+def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> None:
+    """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand, or class targets all
+    equal to `ignore_index` (a loss of 0/0), is named as a problem in the data, with the step that read the batch
+    (one synchronisation, once)."""
+    if batch is None:
+        return
+    where = (
+        f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
+        f"last ({describe(batch)})"
+    )
+    named = _named_float_tensors(batch)
+    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
+    found = [
+        f"{name} holds {nan} NaN and {inf} infinite values"
+        for (name, _), (nan, inf) in zip(named, counts)
+        if nan or inf
+    ]
+    if found:
+        raise NonFiniteInputError(
+            f"{where} is not finite: {'; '.join(found)}. This is a problem in the data, not in the "
+            "learning rate: remove or fix those examples (e.g. torch.nan_to_num, or drop rows where "
+            "torch.isfinite(x).all() is False)."
+        )
+    target = batch.target
+    if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
+        raise NonFiniteInputError(
+            f"{where} has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored "
+            "target is 0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples "
+            "without a scored target (padding only, or too short to predict a next token), or give each batch at "
+            "least one."
+        )
+
+
+def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, epoch: int):
+    """`raw` (a batch as the loader gave it) if its integer targets on the host are classes of the model's outputs;
+    else a BatchError naming the batch, the value and the classes. For training on a GPU, where an out-of-range target
+    is a device-side assert that ends the process: checked before the copy, with a min and a max on the host (no
+    synchronisation; microseconds for a batch of labels or token ids). Known from the second batch on: the first
+    batch's loss reads the number of classes."""
+    classes = loss.classes
+    target = split_batch(raw).target if classes is not None else None
+    if not is_class_tensor(target) or target.device.type != "cpu" or target.numel() == 0:
+        return raw
+    low, high = (int(value) for value in torch.aminmax(target))
+    if low == loss.ignore_index and high < classes:
+        scored = target[target != loss.ignore_index]  # padding: the smallest scored target, where there is one
+        low = int(scored.min()) if scored.numel() else 0
+    if low >= 0 and high < classes:
+        return raw
+    wrong = high if high >= classes else low
+    raise BatchError(
+        f"batch {number} of epoch {epoch + 1} holds the class target {wrong}, out of range for the model's {classes} "
+        f"outputs (0..{classes - 1}; {loss.ignore_index} is ignored): on {device} it would end the process in a "
+        "device-side assert, so it was refused before its copy. Fix the labels (numbered from 1? subtract 1), or "
+        f"give the model {max(high + 1, classes)} outputs."
+    )
+
+
+def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str | None:
+    """Why a training step failed on `batch`, where its data tells, in words (for fit to name the batch); None where
+    the data shows no cause. Values are read only here, after the failure (one synchronisation)."""
+    if isinstance(error, BatchError):  # the loss found it: a target out of range, every target ignored
+        return str(error)
+    if isinstance(error, ValueError) and batch.size == 1:
+        norms = [name for name, module in model.named_modules() if _is_batch_norm(module) and module.training]
+        if norms:
+            return (
+                f"it holds a single sample, and the BatchNorm layer {norms[0]!r} cannot compute batch statistics "
+                "from one value per channel in training. Leave such batches out: pass drop_last=True to the "
+                "DataLoader, or choose a batch_size that leaves no last batch of one."
+            )
+    if isinstance(error, (IndexError, RuntimeError)):
+        return _token_ids_beyond_embedding(model, batch)
+    return None
+
+
+def _is_batch_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)  # BatchNorm1d, 2d, 3d, SyncBatchNorm and lazy ones
+
+
+def _token_ids_beyond_embedding(model: nn.Module, batch: Batch) -> str | None:
+    """Integer inputs outside the rows of the model's largest nn.Embedding (its vocabulary), in words."""
+    embeddings = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    targets = {id(t) for t in tree_leaves(batch.target)}
+    ids = [t for t in tree_leaves((batch.args, batch.kwargs)) if is_class_tensor(t) and id(t) not in targets]
+    if not embeddings or not ids:
+        return None
+    name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
+    rows = embedding.num_embeddings
+    try:
+        low, high = torch.stack([torch.stack([t.min(), t.max()]).long() for t in ids if t.numel()]).T.tolist()
+    except RuntimeError:  # nothing to read (empty tensors), or a device that failed for good
+        return None
+    if min(low) >= 0 and max(high) < rows:
+        return None
+    return (
+        f"its integer inputs (token ids) lie in {min(low)}..{max(high)}, but the model's embedding {name!r} has "
+        f"{rows} rows (ids 0..{rows - 1}): an id is out of range for the vocabulary. Encode the data with the "
+        f"model's tokenizer, or build the model with vocab_size={max(high) + 1} or more."
+    )
+
+
+def _named_float_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """Floating-point tensors by name ("input 0", "input 0[2]" for a list's third image, "the target[1]['boxes']")."""
+    named = [(f"input {index}", t) for index, t in enumerate(batch.args)]
+    named += [(f"input {key!r}", t) for key, t in batch.kwargs.items() if t is not batch.target]
+    named.append(("the target", batch.target))
+    leaves = [(f"{name}{keystr(path)}", t) for name, value in named for path, t in tree_flatten_with_path(value)[0]]
+    return [(name, t) for name, t in leaves if _is_float_tensor(t)]
+
+
+def warn_if_scalars_ignored(loss: Loss, outputs) -> None:
+    """Scalar tensors the model returns beside its prediction that the loss leaves out (a mixture of experts'
+    load-balancing loss in (logits, aux_loss)): said once, at fit's first step, with the loss_fn that adds them."""
+    ignored = loss.ignored_scalars(outputs)
+    if not ignored:
+        return
+    prediction = unpack_outputs(outputs)[0]
+    predicted = next(f"outputs{path}" for path, value in named_outputs(outputs) if value is prediction)
+    function = {"cross_entropy": "F.cross_entropy", "mse": "F.mse_loss"}.get(loss.name, loss.name)
+    scalars = [f"outputs{key}" for key in ignored]
+    what = f"{scalars[0]} is a scalar tensor" if len(scalars) == 1 else f"{', '.join(scalars)} are scalar tensors"
+    warnings.warn(
+        f"the model returns {describe_value(outputs)}: {what} (an auxiliary loss?) that the loss leaves out: it is "
+        f"{loss.name} of the prediction {predicted} alone. To train on {' + '.join(scalars)} too, pass "
+        f"loss_fn=lambda outputs, target: {function}({predicted}, target) + {' + '.join(scalars)} (your loss_fn gets "
+        "the outputs whole); if they are no losses, ignore this warning.",
+        stacklevel=callers_stacklevel(),  # the line that called fit, however deep in fit this is
+    )

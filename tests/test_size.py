@@ -1,0 +1,121 @@
+"""The package's size, recorded so that its next growth is a decision, not an accident (issue 46).
+
+- Lines per folder of gpukit/ (a folder's own .py files, not its subfolders'), each within a budget: today's count
+  (2026-11-29) with about 5% room. A change that needs more raises the budget here, in the same commit, and says why.
+- The learner's core: following fit to optimizer.step crosses three files (gpukit/train/loop.py,
+  gpukit/step/train_step.py, gpukit/precision.py), at most 700 lines in all, and the step's own definitions within them
+  at most 300 lines.
+- No module of the core that a learner reads to follow a step, or its setup and lifecycle, over 400 lines; the modules
+  over 400 lines today are listed with their length, which may only shrink.
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gpukit"
+
+BUDGET = {  # folder: (lines on 2026-11-29, the budget)
+    "gpukit": (6564, 6900),
+    "gpukit/data": (2959, 3100),
+    "gpukit/distributed": (1878, 1975),
+    "gpukit/hardware": (1385, 1450),
+    "gpukit/memory": (2778, 2920),
+    "gpukit/step": (943, 1000),
+    "gpukit/train": (3822, 4000),
+}
+
+# The files a reader opens to follow one step, in reading order, and the definitions that are the step.
+CORE = ["train/loop.py", "step/train_step.py", "precision.py"]
+STEP = {
+    "train/loop.py": ["fit", "_train", "_train_epoch", "_train_on", "_micro_step", "_optimizer_step"],
+    "step/train_step.py": ["TrainStep.__init__", "TrainStep.forward", "TrainStep.backward", "TrainStep.step"],
+    "precision.py": ["Precision.__init__", "Precision.autocast", "Precision.backward", "Precision.step"],
+}
+# What the step calls and its setup and lifecycle: named at their calls, short enough to read whole when opened.
+LEARNERS_MODULES = [
+    *CORE,
+    "step/batches.py",
+    "step/outputs.py",
+    "step/losses.py",
+    "train/setup.py",
+    "train/run.py",
+    "train/options.py",
+    "train/model_options.py",
+    "train/log_window.py",
+    "train/tally.py",
+    "train/data.py",
+    "train/evaluation.py",
+    "train/history.py",
+    "train/checks.py",
+    "train/batch_checks.py",
+    "train/checkpoint.py",
+    "train/checkpoint_file.py",
+    "train/saved_state.py",
+    "optim.py",
+]
+LONGER = {  # modules over 400 lines today: their length may only shrink
+    "gpucheck.py": 671,
+    "hardware/planning.py": 611,
+    "memory/activation_checkpointing.py": 572,
+    "env.py": 565,
+    "gpuledger.py": 522,
+    "checkup.py": 517,
+    "memory/measuring.py": 455,
+    "distributed/parallel.py": 429,
+    "data/bottleneck.py": 427,
+    "distributed/launcher.py": 420,
+    "site.py": 419,
+    "cli.py": 419,
+    "fp8.py": 410,
+}
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_each_folder_keeps_within_its_budget():
+    counted: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        folder = path.parent.relative_to(PACKAGE.parent).as_posix()
+        counted[folder] = counted.get(folder, 0) + lines(path)
+    unbudgeted = sorted(set(counted) - set(BUDGET))
+    assert not unbudgeted, f"{unbudgeted} have no budget: add them to BUDGET in tests/test_size.py, with their lines"
+    over = {folder: (count, BUDGET[folder][1]) for folder, count in counted.items() if count > BUDGET[folder][1]}
+    assert not over, f"over budget (lines, budget): {over}; raise the budget here if the growth is meant, saying why"
+
+
+def definition_lines(path: Path, names: list[str]) -> int:
+    """Lines of the functions or methods `names` ("Class.method") in `path`, decorators included."""
+    tree, found = ast.parse(path.read_text()), {}
+    for node in ast.walk(tree):
+        owners = [node] if isinstance(node, ast.ClassDef) else []
+        for owner in owners:
+            for item in owner.body:
+                if isinstance(item, ast.FunctionDef):
+                    found[f"{owner.name}.{item.name}"] = item
+        if isinstance(node, ast.FunctionDef) and node in tree.body:
+            found[node.name] = node
+    missing = [name for name in names if name not in found]
+    assert not missing, f"{path.name} no longer defines {missing}: update STEP in tests/test_size.py"
+    return sum(
+        found[name].end_lineno - min([found[name].lineno, *(d.lineno for d in found[name].decorator_list)]) + 1
+        for name in names
+    )
+
+
+def test_one_step_is_three_files_and_about_300_lines():
+    assert sum(lines(PACKAGE / name) for name in CORE) <= 700
+    step = sum(definition_lines(PACKAGE / name, names) for name, names in STEP.items())
+    assert 150 <= step <= 300, f"the step from fit to optimizer.step is {step} lines"
+
+
+def test_the_learners_modules_are_short_and_the_long_ones_only_shrink():
+    long = {name: lines(PACKAGE / name) for name in LEARNERS_MODULES if lines(PACKAGE / name) > 400}
+    assert not long, long
+    grown = {
+        path.relative_to(PACKAGE).as_posix(): lines(path)
+        for path in PACKAGE.rglob("*.py")
+        if lines(path) > LONGER.get(path.relative_to(PACKAGE).as_posix(), 400)
+    }
+    assert not grown, f"over 400 lines (or longer than LONGER says): {grown}"

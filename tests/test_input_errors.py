@@ -273,12 +273,6 @@ def test_fit_refuses_a_seed_out_of_range_before_any_work(seed):
     assert torch.equal(generator, torch.get_rng_state())  # no draw, no seeding: nothing ran
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="fit's _order_seed (gpukit/train/loop.py) checks the seed with check_int, which refuses NumPy integers; "
-    "it must call gpukit.validation.check_seed, wired after the carve of issue 46 (remove this mark then)",
-)
 def test_fit_takes_a_numpy_seed_and_resumes_from_its_save(tmp_path):
     data = [(features(8, i), classes(8, i)) for i in range(4)]
     train(small_mlp(), data, epochs=1, seed=np.int64(3), checkpoint_dir=tmp_path)

@@ -25,7 +25,7 @@ from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedu
 from ..precision import get_precision
 from ..runfile import run_environment
 from ..step import Loss, TrainStep
-from ..validation import check_int, check_number
+from ..validation import check_int, check_number, check_seed
 from .checks import check_arguments, check_eval_data
 from .data import as_loader, length
 from .history import History
@@ -136,10 +136,11 @@ def _move_model(model: nn.Module, device: torch.device, channels_last: bool) -> 
 
 
 def _order_seed(seed: int | None) -> int:
-    """The seed of the data order of the loader fit builds: `seed`, or with seed=None a draw from torch's generator."""
+    """The seed of the data order of the loader fit builds: `seed` (a Python or NumPy integer), or with seed=None a
+    draw from torch's generator."""
     if seed is None:
         return int(torch.randint(2**31, ()))
-    return check_int("seed", seed, minimum=0)
+    return check_seed(seed)  # the kit's one rule: NumPy's integers too, 0..2**32 - 1
 
 
 def _settings(run: Run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config) -> dict:

@@ -415,7 +415,7 @@ def processes_left():
 
 
 LAUNCHED_FIT = """
-import sys, time
+import os, sys, time
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -430,6 +430,7 @@ class Slow(Dataset):  # 64 examples of 6 features, 5 ms each: the run lasts minu
 
 def train(folder):
     gk.distributed.setup()
+    print("pid", os.getpid(), flush=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     gk.fit(model, Slow(), epochs=200, batch_size=8, save_every=1, checkpoint_dir=folder, progress=False, device="cpu")
@@ -468,6 +469,38 @@ def test_a_launcher_stopped_by_sigterm_stops_its_workers_and_says_which_save_res
     saved = read_checkpoint(tmp_path / "run" / "last.pt")  # the checksum verified: a save to resume from
     assert said.startswith("gpukit.preemption.Preempted: launch: stopped by SIGTERM"), said
     assert "its 2 workers were stopped. Rank 0: fit stopped in epoch" in said, said
+    assert f"keeps the last good save: optimizer step {saved['step']} " in said and "resumes from there" in said, said
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_one_save(tmp_path, processes_left):
+    """SIGTERM reaches one worker (a node's agent stopping its processes, `kill` by hand): that rank asks, every rank
+    learns it at the same History row (the log's all-reduce carries it), all save that step together and stop; the
+    launch says which save resumes. The asked rank used to stop at once, and the other waited in its next collective
+    for a peer that had gone."""
+    (tmp_path / "job.py").write_text(LAUNCHED_FIT)
+    launcher = start_with_sigint_ignored([sys.executable, "job.py", "train", str(tmp_path / "run")], tmp_path)
+    processes_left.append(launcher.pid)
+    wait_until(
+        lambda: (tmp_path / "run" / "last.pt").exists(),
+        150,
+        "no save; stderr: " + (tmp_path / "stderr").read_text()[-2000:],
+    )
+    pids = {
+        line.split()[1]: int(line.split()[-1])
+        for line in (tmp_path / "stdout").read_text().splitlines()
+        if " pid " in line
+    }
+    processes_left.extend(pids.values())
+    assert sorted(pids) == ["0]", "1]"], pids  # "[rank 0] pid N", "[rank 1] pid M"
+    os.kill(pids["1]"], signal.SIGTERM)
+    assert launcher.wait(timeout=60) != 0
+    wait_until(lambda: not any(alive(pid) for pid in pids.values()), 30, "a worker still running after the launch")
+    said = (tmp_path / "stderr").read_text().strip().splitlines()[-1]
+    saved = read_checkpoint(tmp_path / "run" / "last.pt")
+    # 64 examples on 2 ranks at batch 8: 4 optimizer steps an epoch, a History row at each epoch's end (log_every=10)
+    assert saved["step"] % 4 == 0 and saved["position"] == 0, (saved["step"], saved["position"], said)
+    assert said.startswith("gpukit.preemption.Preempted: launch: rank "), said
+    assert "was stopped by SIGTERM at the next safe point, after saving; its 2 workers were stopped." in said, said
     assert f"keeps the last good save: optimizer step {saved['step']} " in said and "resumes from there" in said, said
 
 

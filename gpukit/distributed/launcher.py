@@ -109,7 +109,8 @@ def launch(
 
     Stopping: SIGTERM (a batch job preempted, `kill`) stops launch as Ctrl-C does, also where SIGINT
     is ignored (`python train.py &` in a batch script): every worker gets SIGTERM, which raises
-    gk.preemption.Preempted inside it (fit then notes which save resumes the run), and launch raises
+    gk.preemption.Preempted inside it (inside fit, after the run is saved at the end of its step; a second
+    SIGTERM halfway through STOP_GRACE_SECONDS stops it at once; fit's note says which save resumes), and launch raises
     Preempted with one line saying what rank 0 said. Workers end with a launcher that dies any other
     way too (SIGKILL, a closed notebook): gk.preemption.end_with_parent.
     """
@@ -410,11 +411,18 @@ def _wait(processes, output: _OutputForwarder, timeout: float | None) -> None:
 
 
 def _stop(processes) -> None:
-    """SIGTERM every worker still running, then SIGKILL those that outlive the grace period."""
+    """SIGTERM every worker still running, a second SIGTERM to those still running halfway through the grace period
+    (fit hears the first as a request to save after its step, and the second as a stop at once: its note names the
+    last save), then SIGKILL those that outlive it."""
     alive = [p for p in processes if p.exitcode is None]
     for process in alive:
         process.terminate()
     deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for process in alive:
+        process.join(max(0.0, deadline - STOP_GRACE_SECONDS / 2 - time.monotonic()))
+    for process in alive:
+        if process.exitcode is None:
+            process.terminate()
     for process in alive:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.exitcode is None:

@@ -189,8 +189,8 @@ class Checkpointer:
         replayed from its saved start and read past the batches the saved run had trained on."""
         pending, self.pending = self.pending, None
         if pending is None:
-            if self.save_every:
-                self.epoch_start = {"generators": global_generators(self.device), "order": order_state(run.loader)}
+            # What a save within the epoch replays its order from: save_every's, and a SIGTERM's (run.save_and_stop)
+            self.epoch_start = {"generators": global_generators(self.device), "order": order_state(run.loader)}
             return batches(run.loader, run.device, check=run.target_check()), 0
         self.epoch_start = pending["start"]
         restore_global_generators(pending["start"]["generators"], self.device)

@@ -21,6 +21,7 @@ from .. import distributed
 from ..hardware.monitor import Monitor
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
 from ..precision import Precision
+from ..preemption import StopRequest
 from ..step import Batch, Loss, TrainStep
 from ..widgets import Progress
 from .batch_checks import check_host_targets
@@ -90,6 +91,9 @@ class Run:
     epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
     phase: str = "loading data"  # what an out-of-memory error is reported as happening in
+    stop: StopRequest = field(default_factory=StopRequest)  # SIGTERM's request, within fit (gk.preemption)
+    stop_agreed: bool = False  # a rank was asked to stop by the last History row (summed over ranks there)
+    alone: bool = True  # one process: a stop asked needs no agreement, and is acted on at the next optimizer step
     initial: dict | None = None  # with a checkpoint_dir, until its first save: the state fit began from, on the host
     options: ModelOptions | None = None  # the model transforms, undone when fit ends
     started: float = field(default_factory=time.perf_counter)
@@ -199,6 +203,14 @@ class Run:
         `position` micro-batches with the epoch's sums so far."""
         self.checkpoint.save(self, epoch, position, tally, window)
         self.initial = None  # a resume from that save is exact now
+
+    def save_and_stop(self, epoch: int, position: int = 0, tally: Tally | None = None, window: LogWindow | None = None):
+        """SIGTERM asked the run to stop (how Slurm and Kubernetes preempt, how torchrun and launch stop workers): after
+        a whole optimizer step, saved on every rank (with a checkpoint_dir), then Preempted, a KeyboardInterrupt whose
+        note (`stopped`) says which save resumes the run."""
+        if self.checkpoint is not None:
+            self.save(epoch, position, tally, window)
+        raise self.stop.preempted()
 
     def keep_initial_state(self) -> None:
         """A host copy of the model's state (weights, buffers) and the optimizer's, put back if fit is stopped before

@@ -116,6 +116,7 @@ def start_run(
         shifted_labels=shifted_labels,
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
         options=options,
+        alone=distributed.world_size() == 1,
     )
     settings = _settings(run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config)
     del loader, built, parallel, step  # the run holds them: an out-of-memory error releases the run whole

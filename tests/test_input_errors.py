@@ -5,6 +5,8 @@ ignored, empty batches, a batch of one under BatchNorm, token ids beyond the voc
 Each case on the CPU, seeded, with the MLP of tests/helpers.py and with a second kind of model (the tiny GPT on
 (B, T) tokens, or the Hugging Face-style CausalLM on dict batches)."""
 
+import os
+import signal
 from functools import partial
 
 import numpy as np
@@ -346,13 +348,14 @@ class SegfaultingDataset(torch.utils.data.Dataset):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["evaluate", "lr_find"])
+@pytest.mark.parametrize("where", ["evaluate", "lr_find", "fit"])
 def test_a_loader_worker_that_segfaults_says_what_happened_and_what_to_do(where):
     """torch says only "DataLoader worker (pid(s) N) exited unexpectedly"; the note names the signal and the fix."""
     loader = DataLoader(SegfaultingDataset(), batch_size=4, num_workers=1)  # batch 4 holds example 12
     run = {
         "evaluate": lambda: gk.evaluate(small_mlp(), loader, device=CPU),
         "lr_find": lambda: gk.lr_find(small_mlp(), loader, device=CPU, steps=20),
+        "fit": lambda: train(small_mlp(), loader),
     }[where]
     with pytest.raises((RuntimeError, OSError)) as failed:
         run()
@@ -360,6 +363,42 @@ def test_a_loader_worker_that_segfaults_says_what_happened_and_what_to_do(where)
     assert "A DataLoader worker process died" in note, (failed.value, note)
     assert "SIGSEGV" in note or "a worker process ended" in note, note
     assert "num_workers=0" in note and "segmentation fault" in note
+
+
+class KilledInEpoch2(torch.utils.data.Dataset):
+    """16 examples of 6 features; a loader worker is killed (SIGKILL: the kernel's out-of-memory killer) as it reads
+    its 21st example, the second batch of epoch 2 at batch 4: a persistent worker counts across epochs."""
+
+    def __init__(self, kill: bool = True):
+        self.kill, self.read = kill, 0
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        self.read += 1
+        if self.kill and self.read == 21 and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return features(1, index)[0], index % 4
+
+
+@pytest.mark.timeout(120)
+def test_a_persistent_loader_worker_killed_in_epoch_2_says_what_to_do_and_the_save_resumes(tmp_path):
+    """torch said only "DataLoader worker (pid(s) N) exited unexpectedly"."""
+
+    def loader(kill: bool) -> DataLoader:
+        return DataLoader(KilledInEpoch2(kill), batch_size=4, num_workers=1, persistent_workers=True)
+
+    with pytest.warns(UserWarning, match="persistent_workers=True"):  # (a resume replays it only in part: said)
+        with pytest.raises(RuntimeError) as failed:
+            train(small_mlp(), loader(kill=True), epochs=3, checkpoint_dir=tmp_path)
+    note = " ".join(getattr(failed.value, "__notes__", []))
+    assert "A DataLoader worker process died" in note and "killed by SIGKILL" in note, (failed.value, note)
+    assert "out of memory" in note and "fit resumes from the last save" in note, note
+    assert "keeps the last good save: optimizer step 4 (epoch 1)" in note, note
+    with pytest.warns(UserWarning, match="persistent_workers=True"):
+        history = train(small_mlp(), loader(kill=False), epochs=3, checkpoint_dir=tmp_path)
+    assert [row["step"] for row in history.steps] == list(range(1, 13)) and len(history.epochs) == 3
 
 
 def test_a_worker_crash_note_is_only_for_a_dead_worker():

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .. import distributed
+from ..data.loaders import worker_crash
 from ..hardware.monitor import Monitor
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
 from ..precision import Precision
@@ -259,6 +260,9 @@ class Run:
         self.model.zero_grad(set_to_none=True)
         self.put_back_if_unsaved()
         stopped.add_note(self.how_far())
+        crash = worker_crash(stopped)  # a DataLoader worker that died: torch says only that it "exited unexpectedly"
+        if crash is not None:
+            stopped.add_note(crash)
         stopped.noted_by_fit = True
 
     def out_of_memory(self, error: torch.OutOfMemoryError) -> torch.OutOfMemoryError:

@@ -300,6 +300,44 @@ def test_a_log_dir_that_names_no_folder_is_refused_before_training(log_dir, said
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not list(tmp_path.iterdir())
 
 
+class Moves(nn.Module):
+    """small_mlp's layers; each move or cast of the model (.to(), .cuda(), .float(): nn.Module._apply) counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers, self.moves = small_mlp(), 0
+
+    def forward(self, inputs):
+        return self.layers(inputs)
+
+    def _apply(self, fn, recurse=True):
+        self.moves += 1
+        return super()._apply(fn, recurse)
+
+
+@pytest.mark.parametrize("case", [*LOG_DIRS, "a file"])
+def test_a_log_dir_is_refused_before_the_model_is_moved_or_anything_built(case, tmp_path, monkeypatch):
+    """log_dir's type is checked where gk.Reporting is made (fit's flat keyword makes one first), and whether the folder
+    can be written before the model moves: a file given as log_dir was refused only once the model had moved to the
+    device and the optimizer was built."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    log_dir, said = LOG_DIRS[case] if case in LOG_DIRS else ("notes.txt", "log_dir='notes.txt' is a file")
+    model, built = Moves(), []
+
+    def optimizer(parameters):
+        built.append(True)
+        return torch.optim.SGD(parameters, lr=0.1)
+
+    with pytest.raises((TypeError, ValueError)) as refused:
+        train(model, [(features(8), classes(8))], log_dir=log_dir, optimizer=optimizer)
+    assert said in str(refused.value)
+    assert model.moves == 0 and not built  # nothing moved, nothing built
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"] and (
+        tmp_path / "notes.txt"
+    ).read_text() == "mine"
+
+
 def with_nan(inputs: torch.Tensor, every: int = 3) -> torch.Tensor:
     inputs = inputs.clone()
     inputs[::every] = float("nan")

@@ -2,7 +2,7 @@
 
 The checks, in order: the numbers (epochs, accumulate, clip, lr, log_every, schedule, max_steps), the data order's seed,
 the device and the precision on it (and FP8 there), the model (gpukit.train.checks: trainable, an optimizer of its own
-parameters, a folder that can hold its saves), the loss and metrics, the training data (a loader that gives batches,
+parameters, a folder that can hold its saves), TensorBoard's log_dir, the loss and metrics, the training data (a loader that gives batches,
 and the steps it makes), eval_data's first batch through the model (moved to the device for it), and the optimizer's
 learning rates. Then building: the model transforms (gpukit.train.model_options), the data-parallel wrapper, the
 TrainStep, the schedule and the History; then resuming from the last save and starting the reports, and at last
@@ -33,6 +33,7 @@ from .model_options import ModelOptions
 from .options import ModelTransforms, Reporting, Saving
 from .run import Run
 from .tally import callers_stacklevel, check_metrics, check_shifted_labels
+from .tensorboard_log import check_log_folder
 
 
 def start_run(
@@ -74,6 +75,8 @@ def start_run(
     fp8_config = float8.training_config(transforms.fp8, device)  # raises before any work without torchao or FP8 cores
     _check_model(model, fp8_config)
     check_arguments(model, seed=seed, checkpoint_dir=saving.folder, optimizer=optimizer)
+    if distributed.is_main():  # the one rank that writes TensorBoard's files
+        check_log_folder(reporting.log_dir)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     channels_last = transforms.channels_last
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)

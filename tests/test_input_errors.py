@@ -322,7 +322,9 @@ def test_a_log_dir_is_refused_before_the_model_is_moved_or_anything_built(case, 
     device and the optimizer was built."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
-    log_dir, said = LOG_DIRS[case] if case in LOG_DIRS else ("notes.txt", "log_dir='notes.txt' is a file")
+    log_dir, said = (
+        LOG_DIRS[case] if case in LOG_DIRS else ("notes.txt", f"log_dir={str(tmp_path / 'notes.txt')!r} is a file")
+    )
     model, built = Moves(), []
 
     def optimizer(parameters):

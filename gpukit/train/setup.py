@@ -11,9 +11,12 @@ torch's generator seeded: a call refused by any check has drawn nothing from it.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -67,6 +70,7 @@ def start_run(
 ) -> Run:
     """fit's arguments checked, then the run built and begun; a failure after the model's transforms leaves the model
     as it came (Run.finish)."""
+    saving, reporting = _absolute(saving, "folder"), _absolute(reporting, "log_dir")
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels)
     order_seed = _order_seed(seed)
     warmup = _warmup(warmup, warmup_steps)
@@ -129,6 +133,16 @@ def start_run(
         run.finish()  # the folder let go; the model as it came
         raise
     return run
+
+
+def _absolute(options: Saving | Reporting, field: str) -> Saving | Reporting:
+    """`options` with the folder in `field` made absolute as fit starts: a Dataset (or anything else) that changes the
+    working folder while fit trains must not move the saves or TensorBoard's files after it elsewhere (a folder that is
+    no path, or names none, is refused by its check)."""
+    folder = getattr(options, field)
+    if not isinstance(folder, (str, os.PathLike)) or not str(os.fspath(folder)).strip():
+        return options
+    return replace(options, **{field: Path(folder).absolute()})
 
 
 def _move_model(model: nn.Module, device: torch.device, channels_last: bool) -> None:

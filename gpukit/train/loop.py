@@ -148,6 +148,7 @@ def _train(run: Run, epochs: int) -> History:
                         raise run.stop.preempted()  # SIGTERM: the epoch's end is saved (_end_epoch)
                 if run.stop.asked:  # (after the last History row: nothing to save that is not saved)
                     raise run.stop.preempted()
+                run.warn_if_data_ended_early(epochs)  # data without len() that ended before max_steps
         finally:
             run.close()  # (inside the outer try: Ctrl-C as the bar closes gets the note too)
     except torch.OutOfMemoryError as out_of_memory:

@@ -213,6 +213,24 @@ class Run:
             self.save(epoch, position, tally, window)
         raise self.stop.preempted()
 
+    def warn_if_data_ended_early(self, epochs: int) -> None:
+        """After the last epoch: a schedule laid out over more steps than the data gave (data without len() and
+        max_steps, which fit cannot compare before the data ends), said with where the lr stopped. A warning, not an
+        error: every step taken is sound and the History is returned; what the reader did not get is the rest of the
+        schedule they asked for (the lr may have stopped mid-warm-up, at a fraction of its peak)."""
+        if self.total_steps is None or self.step_index >= self.total_steps or not self.history.steps:
+            return
+        lr = self.history.steps[-1]["lr"]  # the lr the last step trained with
+        warnings.warn(
+            f"the training data ended after {self.step_index} optimizer steps ({epochs} epoch{'s' * (epochs > 1)} of "
+            f"data without len()), short of max_steps={self.total_steps}, over which the lr schedule was laid out: "
+            f"training stopped at step {self.step_index} of {self.total_steps} of its schedule, with the lr at {lr:g}, "
+            f"{lr / self.peak_lr:.0%} of its peak {self.peak_lr:g}. Pass max_steps={self.step_index} to lay the "
+            f"schedule out over the steps the data gives, or more epochs to read it again until step "
+            f"{self.total_steps}.",
+            stacklevel=callers_stacklevel(),  # the line of yours that called fit
+        )
+
     def keep_initial_state(self) -> None:
         """A host copy of the model's state (weights, buffers) and the optimizer's, put back if fit is stopped before
         the first save: the same call again (the same model object, as a re-run cell has) then starts from what this

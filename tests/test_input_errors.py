@@ -474,3 +474,27 @@ def test_breakdown_of_a_batch_on_the_meta_device_points_to_estimate(kind):
     assert "torch.zeros_like(tensor, device='cpu')" in message
     predicted = gk.memory.estimate(build(), batch("meta"), device=CPU)  # what the message offers works
     assert predicted.total == gk.memory.estimate(build(), batch(CPU), device=CPU).total > 0
+
+
+class Batches:
+    """A re-iterable of batches without len(): each iteration starts afresh."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_data_without_len_that_ends_before_max_steps_says_where_the_schedule_stopped(kind):
+    """10 batches and max_steps=100: the onecycle schedule warms up over 20 steps, so the run ended at step 10 with the
+    lr at about half its peak, and said nothing."""
+    build, good, _, _ = KINDS[kind]
+    peak = {"mlp": 0.05, "gpt": 1e-3}[kind]
+    with pytest.warns(UserWarning, match="ended after 10 optimizer steps") as said:
+        history = train(build(), Batches([good()] * 10), max_steps=100, lr=peak)
+    message, lr = str(said[0].message), history.steps[-1]["lr"]
+    assert history.steps[-1]["step"] == 10 and 0.4 < lr / peak < 0.6  # mid-warm-up, as the issue saw it
+    assert "short of max_steps=100" in message and "Pass max_steps=10 " in message, message
+    assert f"with the lr at {lr:g}, {lr / peak:.0%} of its peak {peak:g}" in message, message

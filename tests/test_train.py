@@ -411,24 +411,6 @@ def test_data_without_len_trains_several_epochs_with_max_steps(device):
     assert constant.steps[-1]["step"] == 6
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
-def test_data_without_len_that_ends_before_max_steps_says_where_the_schedule_stopped(kind, device):
-    """10 batches and max_steps=100: the onecycle schedule warms up over 20 steps, so the run ended at step 10 with the
-    lr at about half its peak, and said nothing."""
-    generator = torch.Generator().manual_seed(0)
-    if kind == "mlp":
-        model, batch = regressor(), (torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator))
-        options = {"loss_fn": "mse", "lr": 0.05}
-    else:
-        model, batch, options = tiny_gpt(), (tokens(2, 16, 1), tokens(2, 16, 2)), {"lr": 1e-3}
-    with pytest.warns(UserWarning, match="ended after 10 optimizer steps") as said:
-        history = gk.fit(model, Batches([batch] * 10), max_steps=100, progress=False, device=device, **options)
-    message, lr = str(said[0].message), history.steps[-1]["lr"]
-    assert history.steps[-1]["step"] == 10 and 0.4 < lr / options["lr"] < 0.6  # mid-warm-up, as the issue saw it
-    assert "short of max_steps=100" in message and "Pass max_steps=10 " in message, message
-    assert f"with the lr at {lr:g}, {lr / options['lr']:.0%} of its peak {options['lr']:g}" in message, message
-
-
 def test_a_generator_cannot_be_read_for_several_epochs(device):
     data = ((torch.randn(4, 4), torch.randn(4, 1)) for _ in range(3))
     with pytest.raises(ValueError, match="can be read only once"):

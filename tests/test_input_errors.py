@@ -5,6 +5,7 @@ ignored, empty batches, a batch of one under BatchNorm, token ids beyond the voc
 Each case on the CPU, seeded, with the MLP of tests/helpers.py and with a second kind of model (the tiny GPT on
 (B, T) tokens, or the Hugging Face-style CausalLM on dict batches)."""
 
+import math
 import os
 import signal
 from functools import partial
@@ -371,6 +372,42 @@ def test_lr_find_on_nan_data_names_the_data_not_a_divergence(kind):
     )
     assert "diverged" not in message and "start_lr" not in message
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())  # put back
+
+
+@pytest.mark.parametrize("kind", LR_FIND_KINDS)
+def test_nan_in_a_later_batch_of_eval_data_is_named_after_the_epoch(kind):
+    """Training was finite; eval_loss was nan and eval_accuracy counted from NaN outputs, with no word."""
+    build, data = LR_FIND_KINDS[kind]
+    batches = [(inputs.nan_to_num(), target) for inputs, target in data()]
+    eval_data = batches[:1] + data()[1:2]  # its second batch holds NaN
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(build(), batches, eval_data=eval_data)
+    message, note = str(refused.value), " ".join(refused.value.__notes__)
+    assert message.startswith("the evaluation loss is nan, and its accuracy would count NaN outputs: batch 2 of the ")
+    assert "evaluation data" in message and "input 0 holds" in message and "NaN" in message, message
+    assert "fit stopped in epoch 1 after optimizer step 4 of 4" in note, note  # after the epoch's training
+    with pytest.raises(gk.train.NonFiniteInputError, match="batch 2 of the evaluation data"):
+        gk.evaluate(build(), eval_data, device=CPU)  # (a lazy layer takes its shape from the first batch)
+
+
+@pytest.mark.parametrize("kind", LR_FIND_KINDS)
+def test_nan_in_the_first_batch_of_eval_data_is_refused_before_any_step(kind):
+    build, data = LR_FIND_KINDS[kind]
+    model, batches = build(), [(inputs.nan_to_num(), target) for inputs, target in data()]
+    model(batches[0][0][:1])  # (a lazy layer takes its shape)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(gk.train.NonFiniteInputError, match=r"eval_data's first batch \(input .*\) is not finite"):
+        train(model, batches, eval_data=data()[:1])
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_non_finite_evaluation_of_finite_data_warns_that_the_outputs_are_not_finite():
+    model, batches = small_mlp(), [(features(8, i), classes(8, i)) for i in range(2)]
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")  # weights that diverged
+    with pytest.warns(UserWarning, match="no batch of the evaluation data holds NaN or inf: the model's outputs"):
+        result = gk.evaluate(model, batches, device=CPU)
+    assert math.isnan(result["loss"])
 
 
 class SegfaultingDataset(torch.utils.data.Dataset):

@@ -16,11 +16,11 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from .. import distributed
 from ..step import Batch, BatchError, Loss, describe_value, named_outputs, split_batch, unpack_outputs
-from .checks import NonFiniteInputError, _is_float_tensor, describe, is_class_tensor
+from .checks import NonFiniteInputError, batch_problem, describe, is_class_tensor
 from .tally import callers_stacklevel
 
 
@@ -60,31 +60,6 @@ def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) 
         f"the loss became non-finite by optimizer step {step} (epoch {epoch + 1}), and the batch that step read "
         f"last ({describe(batch)}) {problem}"
     )
-
-
-def batch_problem(batch: Batch, ignore_index: int) -> str | None:
-    """How `batch` makes a loss non-finite, as the end of a sentence about it ("is not finite: …", "has all its …
-    targets ignored …") with what to do; None if it holds no NaN or inf and scores a target (one synchronisation)."""
-    named = _named_float_tensors(batch)
-    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
-    found = [
-        f"{name} holds {nan} NaN and {inf} infinite values"
-        for (name, _), (nan, inf) in zip(named, counts)
-        if nan or inf
-    ]
-    if found:
-        return (
-            f"is not finite: {'; '.join(found)}. This is a problem in the data, not in the learning rate: remove "
-            "or fix those examples (e.g. torch.nan_to_num, or drop rows where torch.isfinite(x).all() is False)."
-        )
-    target = batch.target
-    if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
-        return (
-            f"has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored target is "
-            "0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples without a scored "
-            "target (padding only, or too short to predict a next token), or give each batch at least one."
-        )
-    return None
 
 
 def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, epoch: int):
@@ -154,15 +129,6 @@ def _token_ids_beyond_embedding(model: nn.Module, batch: Batch) -> str | None:
         f"{rows} rows (ids 0..{rows - 1}): an id is out of range for the vocabulary. Encode the data with the "
         f"model's tokenizer, or build the model with vocab_size={max(high) + 1} or more."
     )
-
-
-def _named_float_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
-    """Floating-point tensors by name ("input 0", "input 0[2]" for a list's third image, "the target[1]['boxes']")."""
-    named = [(f"input {index}", t) for index, t in enumerate(batch.args)]
-    named += [(f"input {key!r}", t) for key, t in batch.kwargs.items() if t is not batch.target]
-    named.append(("the target", batch.target))
-    leaves = [(f"{name}{keystr(path)}", t) for name, value in named for path, t in tree_flatten_with_path(value)[0]]
-    return [(name, t) for name, t in leaves if _is_float_tensor(t)]
 
 
 def warn_if_scalars_ignored(loss: Loss, outputs) -> None:

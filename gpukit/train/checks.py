@@ -6,6 +6,7 @@
     check_eval_data      eval_data's first batch through the model (no gradients, eval mode), with the loss
                          and the metrics, before the first step: not after the first epoch has trained;
     check_first_batch    floating-point inputs of another dtype than the model's weights, named both;
+    batch_problem        NaN or inf in a batch, or no target of it scored: how it makes a loss non-finite;
     explained_model_failure  around the model call on the training data's first batch: a failure says how
                          the batch was split and called, and what to pass (as eval_data's check does);
 
@@ -211,6 +212,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
             with precision.autocast():
                 value = loss.of_evaluation(outputs, batch.target)
             Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs)  # no tokens read here
+            problem = batch_problem(batch, loss.ignore_index) if _not_finite(value) else None
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -218,6 +220,13 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
                 f"the loss or a metric failed on eval_data's first batch ({describe(batch)}) before training "
                 f"started: {_one_line(error)}"
             ) from error
+        if problem is not None:  # its eval_loss would be NaN after every epoch, its accuracy counted from NaN outputs
+            raise NonFiniteInputError(f"eval_data's first batch ({describe(batch)}) {problem}")
+
+
+def _not_finite(value) -> bool:
+    """Whether a loss (a tensor, or None where there is none) holds NaN or inf: one synchronisation."""
+    return isinstance(value, torch.Tensor) and not bool(value.detach().isfinite().all())
 
 
 @contextlib.contextmanager
@@ -312,6 +321,31 @@ def dtype_mismatch(model: nn.Module, batch: Batch) -> str:
         f" Its floating-point inputs are {', '.join(data)} but the model's weights are {model_dtype}: convert the "
         f"data (inputs.to(torch.{model_dtype})) or the model (model.to(torch.{data[0]})){advice}."
     )
+
+
+def batch_problem(batch: Batch, ignore_index: int) -> str | None:
+    """How `batch` makes a loss non-finite, as the end of a sentence about it ("is not finite: …", "has all its …
+    targets ignored …") with what to do; None if it holds no NaN or inf and scores a target (one synchronisation)."""
+    named = _named_float_tensors(batch)
+    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
+    found = [
+        f"{name} holds {nan} NaN and {inf} infinite values"
+        for (name, _), (nan, inf) in zip(named, counts)
+        if nan or inf
+    ]
+    if found:
+        return (
+            f"is not finite: {'; '.join(found)}. This is a problem in the data, not in the learning rate: remove "
+            "or fix those examples (e.g. torch.nan_to_num, or drop rows where torch.isfinite(x).all() is False)."
+        )
+    target = batch.target
+    if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
+        return (
+            f"has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored target is "
+            "0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples without a scored "
+            "target (padding only, or too short to predict a next token), or give each batch at least one."
+        )
+    return None
 
 
 def is_class_tensor(value) -> bool:

@@ -21,6 +21,7 @@ import gpukit as gk
 from gpukit.step import Loss
 from gpukit.train import NonFiniteLossError
 from gpukit.train.batch_checks import check_host_targets
+from gpukit.train.checkpoint import read_checkpoint
 from gpukit.train.checks import check_arguments
 from gpukit.train.data import batches
 
@@ -36,7 +37,7 @@ def classes(count: int, seed: int = 0, high: int = 4) -> torch.Tensor:
 
 
 def train(model, data, **options):
-    return gk.fit(model, data, device=CPU, progress=False, log_every=1, **options)
+    return gk.fit(model, data, device=CPU, progress=False, **({"log_every": 1} | options))
 
 
 # The two kinds of model, each with a good batch and a batch whose class targets are out of the model's range.
@@ -408,6 +409,147 @@ def test_a_non_finite_evaluation_of_finite_data_warns_that_the_outputs_are_not_f
     with pytest.warns(UserWarning, match="no batch of the evaluation data holds NaN or inf: the model's outputs"):
         result = gk.evaluate(model, batches, device=CPU)
     assert math.isnan(result["loss"])
+
+
+# NaN that reaches the weights before the step whose loss is logged: the batch in hand at the log is finite, and the
+# loss was blamed on the lr. An earlier batch of the epoch is named now (the epoch read again, only after the failure).
+NAN_KINDS = {  # a model, and 4 batches of 8 examples; the second holds NaN in example 2 of its inputs
+    "mlp": (small_mlp, lambda i: features(8, i)),
+    "cnn": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 4)),
+        lambda i: images(8, 8, i),
+    ),
+}
+
+
+def nan_in_batch_2(kind: str, ignored: bool = False) -> list:
+    """NAN_KINDS' batches; with `ignored`, the target of the NaN example is ignored (-100), so its loss is finite."""
+    batches = [(NAN_KINDS[kind][1](i), classes(8, i)) for i in range(4)]
+    batches[1][0][2] = float("nan")
+    if ignored:
+        batches[1][1][2] = -100
+    return batches
+
+
+@pytest.mark.parametrize("kind", NAN_KINDS)
+def test_nan_inputs_inside_a_log_window_are_named_not_blamed_on_the_lr(kind):
+    """log_every=4: the row at step 4 was nan, the batch read last finite: "Try a lower lr"."""
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(NAN_KINDS[kind][0](), nan_in_batch_2(kind), log_every=4)
+    message = str(refused.value)
+    assert message.startswith("the loss became non-finite by optimizer step 4 (epoch 1), and batch 2 of the epoch ("), (
+        message
+    )
+    assert "is not finite: input 0 holds" in message and "not in the learning rate" in message, message
+    assert "lower lr" not in message and "only in examples whose targets are all ignored" not in message, message
+
+
+@pytest.mark.parametrize("kind", NAN_KINDS)
+def test_nan_only_in_an_example_whose_target_is_ignored_is_named_not_blamed_on_the_lr(kind):
+    """Its loss leaves the example out, so batch 2's loss is finite; its gradient carries the NaN into the weights, and
+    step 3's loss, of a finite batch, was blamed on the lr even with log_every=1."""
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(NAN_KINDS[kind][0](), nan_in_batch_2(kind, ignored=True))
+    message = str(refused.value)
+    assert message.startswith("the loss became non-finite by optimizer step 3 (epoch 1), and batch 2 of the epoch ("), (
+        message
+    )
+    assert "only in examples whose targets are all ignored: the loss leaves them out, but not their gradient" in message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_whose_targets_are_all_ignored_inside_a_log_window_is_named(kind):
+    build, good, _, _ = KINDS[kind]
+    inputs, target = good()
+    batches = [good(), (inputs, torch.full_like(target, -100)), good(), good()]
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(build(), batches, log_every=4)
+    message = str(refused.value)
+    assert "by optimizer step 4 (epoch 1), and batch 2 of the epoch (" in message, message
+    assert "targets ignored (equal to -100)" in message and "not in the learning rate" in message, message
+
+
+class Recorded(torch.utils.data.Dataset):
+    """48 examples of 6 features, example 29 NaN; the order of the examples read is recorded."""
+
+    def __init__(self):
+        self.inputs, self.targets, self.read = features(48, 5), classes(48, 5), []
+        self.inputs[29] = float("nan")
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        return self.inputs[index], self.targets[index]
+
+
+def test_nan_in_a_shuffled_dataset_is_named_with_the_batch_that_held_it():
+    """fit's own shuffled loader draws each epoch's order as the epoch begins: read again from that state, the batch
+    numbers are those training read (here checked against the order the Dataset recorded)."""
+    data = Recorded()
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(small_mlp(), data, batch_size=8, log_every=6)  # one row, at the end of the epoch's 6 steps
+    number = data.read[:48].index(29) // 8 + 1  # the batch that held example 29 in training's order
+    assert f"and batch {number} of the epoch (input (8, 6) float32, target (8,) int64)" in str(refused.value)
+
+
+def test_nan_in_a_shuffled_loader_is_found_without_a_trace_on_its_generators():
+    """The epoch read again only after the failure (a finite run reads each example once), and the generators put
+    back: after it, torch's generator (which the model's Dropout drew from at each step, the reading again not) and
+    the loader's are where a run whose last batch showed the NaN leaves them."""
+
+    def loader(data):
+        return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+    def model():
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
+
+    order = Recorded()
+    order.inputs[29] = 0.0
+    train(model(), loader(order), log_every=6)
+    assert sorted(order.read) == list(range(48))  # no batch read twice on the normal path
+    named, after = {0: "and batch 1 of the epoch", 5: "and the batch that step read last"}, {}
+    for where in (0, 5):  # the NaN in the first batch (read again), or in the last (named at once)
+        data = Recorded()
+        data.inputs[29], data.inputs[order.read[8 * where]] = 0.0, float("nan")
+        shuffled = loader(data)
+        with pytest.raises(gk.train.NonFiniteInputError, match=rf"by optimizer step 6 \(epoch 1\), {named[where]} "):
+            train(model(), shuffled, log_every=6)
+        after[where] = (shuffled.generator.get_state(), torch.get_rng_state(), len(data.read))
+    assert after[0][2] > 48 == after[5][2]  # the epoch read again only where the last batch showed no NaN
+    assert torch.equal(after[0][0], after[5][0]) and torch.equal(after[0][1], after[5][1])
+
+
+SAVE_CASES = {  # a model, 4 batches whose second makes the weights NaN, and what the message says of that batch
+    "mlp": (small_mlp, lambda: nan_in_batch_2("mlp"), "is not finite: input 0 holds 6 NaN"),
+    "cnn": (NAN_KINDS["cnn"][0], lambda: nan_in_batch_2("cnn"), "is not finite: input 0 holds 192 NaN"),
+}  # (a batch whose targets are all ignored has a NaN loss but zero gradients: the weights stay finite)
+
+
+@pytest.mark.parametrize("kind", SAVE_CASES)
+def test_a_save_after_a_bad_batch_inside_a_log_window_names_it_and_keeps_the_last_good_save(tmp_path, kind):
+    """save_every=1 saves before the log reads the loss: the save refused the NaN weights and blamed the lr."""
+    build, data, said = SAVE_CASES[kind]
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(build(), data(), log_every=4, checkpoint_dir=tmp_path, save_every=1)
+    message, notes = str(refused.value), " ".join(refused.value.__notes__)
+    assert message.startswith("the weights became non-finite by optimizer step 2 (epoch 1), and batch 2 of the epoch")
+    assert said in message and "not in the learning rate" in message, message
+    assert "They were not saved: " in notes and "keeps the last good save: optimizer step 1 (epoch 1)" in notes, notes
+    assert read_checkpoint(tmp_path / "last.pt")["step"] == 1
+
+
+def test_nan_only_where_ignored_in_the_last_batch_is_named_by_the_save_at_the_epochs_end(tmp_path):
+    """The last batch's loss is finite (its NaN example is ignored) and so is every row; the save at the end of the
+    epoch finds the weights NaN and names the batch, in the epoch that trained it."""
+    data = nan_in_batch_2("mlp", ignored=True)
+    data.append(data.pop(1))  # the bad batch last: batch 4
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(small_mlp(), data, checkpoint_dir=tmp_path)
+    message = str(refused.value)
+    assert message.startswith("the weights became non-finite by optimizer step 4 (epoch 1), and batch 4 of the epoch")
+    assert "only in examples whose targets are all ignored" in message and "read before" not in message, message
 
 
 class SegfaultingDataset(torch.utils.data.Dataset):

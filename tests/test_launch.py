@@ -335,6 +335,35 @@ def test_nan_inputs_on_one_rank_are_named_on_every_rank(kind):
     assert results[0] == results[1]
 
 
+def fit_with_nan_early_in_a_window_on_rank_one(kind: str):
+    """64 examples, 4 batches of 8 per rank in order (rank 1 reads the odd ones), one row at step 4; example 19, in
+    rank 1's batch 2, holds NaN: every rank reads its epoch again (the batches in hand are finite), answers gathered."""
+    gk.distributed.setup(timeout=30)
+    torch.manual_seed(0)
+    inputs, labels = features_and_labels(64, nan=False)
+    inputs[19] = float("nan")
+    loader = gk.distributed.sharded_loader(TensorDataset(inputs, labels), 8, shuffle=False, device="cpu")
+    try:
+        gk.fit(DDP_MODELS[kind](), loader, log_every=4, progress=False, device="cpu")
+    except gk.NonFiniteLossError as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", DDP_MODELS)
+@pytest.mark.usefixtures("no_cuda_device")
+def test_nan_inputs_early_in_a_log_window_on_one_rank_are_named_on_every_rank(kind):
+    results = launch(
+        fit_with_nan_early_in_a_window_on_rank_one, 2, kind, backend="gloo", start_method="fork", timeout=120
+    )
+    for rank, (error, message) in enumerate(results):
+        assert error == "NonFiniteInputError", (rank, message)
+        words = "on rank 1 of 2, the loss became non-finite by optimizer step 4 (epoch 1), and batch 2 of the epoch"
+        assert message.startswith(words), (rank, message)
+        assert "input 0 holds 48 NaN" in message and "not in the learning rate" in message  # 1 × 48 values
+    assert results[0] == results[1]
+
+
 def fit_with_fewer_examples_on_rank_one(kind: str):
     worker = gk.distributed.setup(timeout=30)
     size = 64 if worker.rank == 0 else 40  # 32 and 20 examples per rank: batches of 8 → 4 and 3

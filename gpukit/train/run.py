@@ -33,7 +33,7 @@ from .history import History
 from .log_window import LogWindow
 from .model_options import ModelOptions
 from .options import Reporting, Saving
-from .saved_state import warn_if_order_cannot_be_saved
+from .saved_state import order_state, torch_generators, warn_if_order_cannot_be_saved
 from .tally import Tally, callers_stacklevel
 from .tensorboard_log import open_log
 
@@ -95,6 +95,8 @@ class Run:
     stop: StopRequest = field(default_factory=StopRequest)  # SIGTERM's request, within fit (gk.preemption)
     stop_agreed: bool = False  # a rank was asked to stop by the last History row (summed over ranks there)
     alone: bool = True  # one process: a stop asked needs no agreement, and is acted on at the next optimizer step
+    epoch_start: dict | None = None  # the generators and the loader's state the epoch's order came from
+    epoch_begun: tuple[int, int] = (0, 0)  # (optimizer steps, micro-batches of the epoch read) as the epoch began
     initial: dict | None = None  # with a checkpoint_dir, until its first save: the state fit began from, on the host
     options: ModelOptions | None = None  # the model transforms, undone when fit ends
     started: float = field(default_factory=time.perf_counter)
@@ -185,8 +187,19 @@ class Run:
         tally = Tally(self.device, self.loss, self.metrics, self.hold_predictions, self.shifted_labels)
         window = LogWindow(self.device)
         if self.checkpoint is None:
+            # What the epoch's order comes from, for a failure to read the epoch again (batch_checks.earlier_problem)
+            self.epoch_start = {"generators": torch_generators(self.device), "order": order_state(loader)}
+            self.epoch_begun = (self.step_index, 0)
             return batches(loader, self.device, check=self.target_check()), 0, tally, window
-        return *self.checkpoint.start_epoch(self, tally, window), tally, window
+        epoch_batches, position = self.checkpoint.start_epoch(self, tally, window)
+        self.epoch_start = self.checkpoint.epoch_start  # (a resumed epoch's: the one it began with)
+        self.epoch_begun = (self.step_index, position)
+        return epoch_batches, position, tally, window
+
+    def batches_read(self) -> int:
+        """The micro-batches of the epoch read by the last optimizer step (those of an unfinished one not counted)."""
+        step, position = self.epoch_begun
+        return position + (self.step_index - step) * self.accumulate
 
     def end_pass(self, epoch: int, micro: int) -> None:
         """After an epoch's batches (`micro` of them): the gradients of a last, incomplete step dropped (data without

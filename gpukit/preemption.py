@@ -18,7 +18,8 @@ A second SIGTERM while the first unwinds is ignored: whoever sent it ends the pr
 
 `sigterm_requests_a_stop()` is the gentler form for a training loop that saves before it stops (the work since the
 last save is kept): the first SIGTERM only sets `StopRequest.asked`; the loop finishes its step, saves, and raises
-`request.preempted()`; a second SIGTERM raises Preempted at once.
+`request.preempted()`; a second SIGTERM raises Preempted at once (not the one end_with_parent's thread sends after
+the kernel's: that is the same news). fit uses it while it trains (gpukit/train/loop.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Preempted(KeyboardInterrupt):
 _parent: int | None = None  # the parent end_with_parent watches, to say why SIGTERM came
 _watcher: int | None = None  # the process whose thread watches it (a forked child inherits _parent, not the thread)
 _delivered = False  # a Preempted was raised since sigterm_raises began: later SIGTERMs are ignored
+_parent_gone = False  # the watching thread found the parent dead and sent SIGTERM: a repeat of the kernel's (Linux)
 
 
 def _raise_preempted(signum, frame) -> None:
@@ -134,7 +136,7 @@ def sigterm_requests_a_stop() -> Iterator[StopRequest]:
     request = StopRequest()
 
     def ask(signum, frame) -> None:
-        if request.asked:
+        if request.asked and not _parent_gone:  # (the watching thread's SIGTERM repeats the kernel's: not a second)
             raise Preempted("stopped by a second SIGTERM before the loop reached a point where it could save")
         request.asked = True
 
@@ -175,8 +177,10 @@ def _ask_kernel_for(signum: int) -> bool:
 
 
 def _watch(parent: int, grace: float) -> None:
+    global _parent_gone
     while os.getppid() == parent:
         time.sleep(POLL_SECONDS)
+    _parent_gone = True
     os.kill(os.getpid(), signal.SIGTERM)  # (on Linux the kernel has sent one already: the handler ignores a second)
     time.sleep(grace)
     os.write(

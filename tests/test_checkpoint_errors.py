@@ -286,3 +286,40 @@ def test_a_model_of_another_dtype_is_refused_naming_both(tmp_path):
     with pytest.raises(gk.CheckpointError, match=r"weights are torch.float32 and this model's are torch.float64"):
         gk.fit(model, data, epochs=2, checkpoint_dir=tmp_path, **COMMON)
     assert model[0].weight.dtype == torch.float64 and same_weights(model, small_mlp().double())  # nothing loaded
+
+
+class ChangesFolder(torch.utils.data.Dataset):
+    """32 examples of 6 features; reading example 13 changes the working folder to `elsewhere` (as a Dataset that
+    opens its files relative to its own folder by os.chdir does)."""
+
+    def __init__(self, elsewhere: Path):
+        self.elsewhere = elsewhere
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        if index == 13:
+            os.chdir(self.elsewhere)
+        return torch.randn(6, generator=torch.Generator().manual_seed(index)), index % 4
+
+
+def test_a_relative_checkpoint_dir_stays_where_it_was_when_the_data_changes_the_working_folder(tmp_path, monkeypatch):
+    """checkpoint_dir="run" was looked up anew at each save: after a Dataset called os.chdir, the later saves landed in
+    elsewhere/run, and a resume from ./run started from an old save, with no word. TensorBoard's log_dir too."""
+    monkeypatch.chdir(tmp_path)  # (and back after the test)
+    (tmp_path / "elsewhere").mkdir()
+    gk.fit(
+        small_mlp(),
+        ChangesFolder(tmp_path / "elsewhere"),
+        batch_size=8,
+        epochs=2,
+        checkpoint_dir="run",
+        save_every=1,
+        log_dir="logs",
+        **COMMON,
+    )
+    assert Path.cwd() == tmp_path / "elsewhere"  # the data did change the folder
+    assert read_checkpoint(tmp_path / "run" / "last.pt")["step"] == 8  # the last save, where the first was
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "logs").iterdir())

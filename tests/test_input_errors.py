@@ -5,6 +5,9 @@ ignored, empty batches, a batch of one under BatchNorm, token ids beyond the voc
 Each case on the CPU, seeded, with the MLP of tests/helpers.py and with a second kind of model (the tiny GPT on
 (B, T) tokens, or the Hugging Face-style CausalLM on dict batches)."""
 
+import math
+import os
+import signal
 from functools import partial
 
 import numpy as np
@@ -18,6 +21,7 @@ import gpukit as gk
 from gpukit.step import Loss
 from gpukit.train import NonFiniteLossError
 from gpukit.train.batch_checks import check_host_targets
+from gpukit.train.checkpoint import read_checkpoint
 from gpukit.train.checks import check_arguments
 from gpukit.train.data import batches
 
@@ -33,7 +37,7 @@ def classes(count: int, seed: int = 0, high: int = 4) -> torch.Tensor:
 
 
 def train(model, data, **options):
-    return gk.fit(model, data, device=CPU, progress=False, log_every=1, **options)
+    return gk.fit(model, data, device=CPU, progress=False, **({"log_every": 1} | options))
 
 
 # The two kinds of model, each with a good batch and a batch whose class targets are out of the model's range.
@@ -273,12 +277,6 @@ def test_fit_refuses_a_seed_out_of_range_before_any_work(seed):
     assert torch.equal(generator, torch.get_rng_state())  # no draw, no seeding: nothing ran
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="fit's _order_seed (gpukit/train/loop.py) checks the seed with check_int, which refuses NumPy integers; "
-    "it must call gpukit.validation.check_seed, wired after the carve of issue 46 (remove this mark then)",
-)
 def test_fit_takes_a_numpy_seed_and_resumes_from_its_save(tmp_path):
     data = [(features(8, i), classes(8, i)) for i in range(4)]
     train(small_mlp(), data, epochs=1, seed=np.int64(3), checkpoint_dir=tmp_path)
@@ -302,6 +300,46 @@ def test_a_log_dir_that_names_no_folder_is_refused_before_training(log_dir, said
         train(model, [(features(8), classes(8))], log_dir=log_dir)
     assert said in str(refused.value) and "log_dir='runs/my_run'" in str(refused.value)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not list(tmp_path.iterdir())
+
+
+class Moves(nn.Module):
+    """small_mlp's layers; each move or cast of the model (.to(), .cuda(), .float(): nn.Module._apply) counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers, self.moves = small_mlp(), 0
+
+    def forward(self, inputs):
+        return self.layers(inputs)
+
+    def _apply(self, fn, recurse=True):
+        self.moves += 1
+        return super()._apply(fn, recurse)
+
+
+@pytest.mark.parametrize("case", [*LOG_DIRS, "a file"])
+def test_a_log_dir_is_refused_before_the_model_is_moved_or_anything_built(case, tmp_path, monkeypatch):
+    """log_dir's type is checked where gk.Reporting is made (fit's flat keyword makes one first), and whether the folder
+    can be written before the model moves: a file given as log_dir was refused only once the model had moved to the
+    device and the optimizer was built."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    log_dir, said = (
+        LOG_DIRS[case] if case in LOG_DIRS else ("notes.txt", f"log_dir={str(tmp_path / 'notes.txt')!r} is a file")
+    )
+    model, built = Moves(), []
+
+    def optimizer(parameters):
+        built.append(True)
+        return torch.optim.SGD(parameters, lr=0.1)
+
+    with pytest.raises((TypeError, ValueError)) as refused:
+        train(model, [(features(8), classes(8))], log_dir=log_dir, optimizer=optimizer)
+    assert said in str(refused.value)
+    assert model.moves == 0 and not built  # nothing moved, nothing built
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"] and (
+        tmp_path / "notes.txt"
+    ).read_text() == "mine"
 
 
 def with_nan(inputs: torch.Tensor, every: int = 3) -> torch.Tensor:
@@ -337,6 +375,183 @@ def test_lr_find_on_nan_data_names_the_data_not_a_divergence(kind):
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())  # put back
 
 
+@pytest.mark.parametrize("kind", LR_FIND_KINDS)
+def test_nan_in_a_later_batch_of_eval_data_is_named_after_the_epoch(kind):
+    """Training was finite; eval_loss was nan and eval_accuracy counted from NaN outputs, with no word."""
+    build, data = LR_FIND_KINDS[kind]
+    batches = [(inputs.nan_to_num(), target) for inputs, target in data()]
+    eval_data = batches[:1] + data()[1:2]  # its second batch holds NaN
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(build(), batches, eval_data=eval_data)
+    message, note = str(refused.value), " ".join(refused.value.__notes__)
+    assert message.startswith("the evaluation loss is nan, and its accuracy would count NaN outputs: batch 2 of the ")
+    assert "evaluation data" in message and "input 0 holds" in message and "NaN" in message, message
+    assert "fit stopped in epoch 1 after optimizer step 4 of 4" in note, note  # after the epoch's training
+    with pytest.raises(gk.train.NonFiniteInputError, match="batch 2 of the evaluation data"):
+        gk.evaluate(build(), eval_data, device=CPU)  # (a lazy layer takes its shape from the first batch)
+
+
+@pytest.mark.parametrize("kind", LR_FIND_KINDS)
+def test_nan_in_the_first_batch_of_eval_data_is_refused_before_any_step(kind):
+    build, data = LR_FIND_KINDS[kind]
+    model, batches = build(), [(inputs.nan_to_num(), target) for inputs, target in data()]
+    model(batches[0][0][:1])  # (a lazy layer takes its shape)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(gk.train.NonFiniteInputError, match=r"eval_data's first batch \(input .*\) is not finite"):
+        train(model, batches, eval_data=data()[:1])
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_non_finite_evaluation_of_finite_data_warns_that_the_outputs_are_not_finite():
+    model, batches = small_mlp(), [(features(8, i), classes(8, i)) for i in range(2)]
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")  # weights that diverged
+    with pytest.warns(UserWarning, match="no batch of the evaluation data holds NaN or inf: the model's outputs"):
+        result = gk.evaluate(model, batches, device=CPU)
+    assert math.isnan(result["loss"])
+
+
+# NaN that reaches the weights before the step whose loss is logged: the batch in hand at the log is finite, and the
+# loss was blamed on the lr. An earlier batch of the epoch is named now (the epoch read again, only after the failure).
+NAN_KINDS = {  # a model, and 4 batches of 8 examples; the second holds NaN in example 2 of its inputs
+    "mlp": (small_mlp, lambda i: features(8, i)),
+    "cnn": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 4)),
+        lambda i: images(8, 8, i),
+    ),
+}
+
+
+def nan_in_batch_2(kind: str, ignored: bool = False) -> list:
+    """NAN_KINDS' batches; with `ignored`, the target of the NaN example is ignored (-100), so its loss is finite."""
+    batches = [(NAN_KINDS[kind][1](i), classes(8, i)) for i in range(4)]
+    batches[1][0][2] = float("nan")
+    if ignored:
+        batches[1][1][2] = -100
+    return batches
+
+
+@pytest.mark.parametrize("kind", NAN_KINDS)
+def test_nan_inputs_inside_a_log_window_are_named_not_blamed_on_the_lr(kind):
+    """log_every=4: the row at step 4 was nan, the batch read last finite: "Try a lower lr"."""
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(NAN_KINDS[kind][0](), nan_in_batch_2(kind), log_every=4)
+    message = str(refused.value)
+    assert message.startswith("the loss became non-finite by optimizer step 4 (epoch 1), and batch 2 of the epoch ("), (
+        message
+    )
+    assert "is not finite: input 0 holds" in message and "not in the learning rate" in message, message
+    assert "lower lr" not in message and "only in examples whose targets are all ignored" not in message, message
+
+
+@pytest.mark.parametrize("kind", NAN_KINDS)
+def test_nan_only_in_an_example_whose_target_is_ignored_is_named_not_blamed_on_the_lr(kind):
+    """Its loss leaves the example out, so batch 2's loss is finite; its gradient carries the NaN into the weights, and
+    step 3's loss, of a finite batch, was blamed on the lr even with log_every=1."""
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(NAN_KINDS[kind][0](), nan_in_batch_2(kind, ignored=True))
+    message = str(refused.value)
+    assert message.startswith("the loss became non-finite by optimizer step 3 (epoch 1), and batch 2 of the epoch ("), (
+        message
+    )
+    assert "only in examples whose targets are all ignored: the loss leaves them out, but not their gradient" in message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_whose_targets_are_all_ignored_inside_a_log_window_is_named(kind):
+    build, good, _, _ = KINDS[kind]
+    inputs, target = good()
+    batches = [good(), (inputs, torch.full_like(target, -100)), good(), good()]
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(build(), batches, log_every=4)
+    message = str(refused.value)
+    assert "by optimizer step 4 (epoch 1), and batch 2 of the epoch (" in message, message
+    assert "targets ignored (equal to -100)" in message and "not in the learning rate" in message, message
+
+
+class Recorded(torch.utils.data.Dataset):
+    """48 examples of 6 features, example 29 NaN; the order of the examples read is recorded."""
+
+    def __init__(self):
+        self.inputs, self.targets, self.read = features(48, 5), classes(48, 5), []
+        self.inputs[29] = float("nan")
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        return self.inputs[index], self.targets[index]
+
+
+def test_nan_in_a_shuffled_dataset_is_named_with_the_batch_that_held_it():
+    """fit's own shuffled loader draws each epoch's order as the epoch begins: read again from that state, the batch
+    numbers are those training read (here checked against the order the Dataset recorded)."""
+    data = Recorded()
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(small_mlp(), data, batch_size=8, log_every=6)  # one row, at the end of the epoch's 6 steps
+    number = data.read[:48].index(29) // 8 + 1  # the batch that held example 29 in training's order
+    assert f"and batch {number} of the epoch (input (8, 6) float32, target (8,) int64)" in str(refused.value)
+
+
+def test_nan_in_a_shuffled_loader_is_found_without_a_trace_on_its_generators():
+    """The epoch read again only after the failure (a finite run reads each example once), and the generators put
+    back: after it, torch's generator (which the model's Dropout drew from at each step, the reading again not) and
+    the loader's are where a run whose last batch showed the NaN leaves them."""
+
+    def loader(data):
+        return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+    def model():
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
+
+    order = Recorded()
+    order.inputs[29] = 0.0
+    train(model(), loader(order), log_every=6)
+    assert sorted(order.read) == list(range(48))  # no batch read twice on the normal path
+    named, after = {0: "and batch 1 of the epoch", 5: "and the batch that step read last"}, {}
+    for where in (0, 5):  # the NaN in the first batch (read again), or in the last (named at once)
+        data = Recorded()
+        data.inputs[29], data.inputs[order.read[8 * where]] = 0.0, float("nan")
+        shuffled = loader(data)
+        with pytest.raises(gk.train.NonFiniteInputError, match=rf"by optimizer step 6 \(epoch 1\), {named[where]} "):
+            train(model(), shuffled, log_every=6)
+        after[where] = (shuffled.generator.get_state(), torch.get_rng_state(), len(data.read))
+    assert after[0][2] > 48 == after[5][2]  # the epoch read again only where the last batch showed no NaN
+    assert torch.equal(after[0][0], after[5][0]) and torch.equal(after[0][1], after[5][1])
+
+
+SAVE_CASES = {  # a model, 4 batches whose second makes the weights NaN, and what the message says of that batch
+    "mlp": (small_mlp, lambda: nan_in_batch_2("mlp"), "is not finite: input 0 holds 6 NaN"),
+    "cnn": (NAN_KINDS["cnn"][0], lambda: nan_in_batch_2("cnn"), "is not finite: input 0 holds 192 NaN"),
+}  # (a batch whose targets are all ignored has a NaN loss but zero gradients: the weights stay finite)
+
+
+@pytest.mark.parametrize("kind", SAVE_CASES)
+def test_a_save_after_a_bad_batch_inside_a_log_window_names_it_and_keeps_the_last_good_save(tmp_path, kind):
+    """save_every=1 saves before the log reads the loss: the save refused the NaN weights and blamed the lr."""
+    build, data, said = SAVE_CASES[kind]
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(build(), data(), log_every=4, checkpoint_dir=tmp_path, save_every=1)
+    message, notes = str(refused.value), " ".join(refused.value.__notes__)
+    assert message.startswith("the weights became non-finite by optimizer step 2 (epoch 1), and batch 2 of the epoch")
+    assert said in message and "not in the learning rate" in message, message
+    assert "They were not saved: " in notes and "keeps the last good save: optimizer step 1 (epoch 1)" in notes, notes
+    assert read_checkpoint(tmp_path / "last.pt")["step"] == 1
+
+
+def test_nan_only_where_ignored_in_the_last_batch_is_named_by_the_save_at_the_epochs_end(tmp_path):
+    """The last batch's loss is finite (its NaN example is ignored) and so is every row; the save at the end of the
+    epoch finds the weights NaN and names the batch, in the epoch that trained it."""
+    data = nan_in_batch_2("mlp", ignored=True)
+    data.append(data.pop(1))  # the bad batch last: batch 4
+    with pytest.raises(gk.train.NonFiniteInputError) as refused:
+        train(small_mlp(), data, checkpoint_dir=tmp_path)
+    message = str(refused.value)
+    assert message.startswith("the weights became non-finite by optimizer step 4 (epoch 1), and batch 4 of the epoch")
+    assert "only in examples whose targets are all ignored" in message and "read before" not in message, message
+
+
 class SegfaultingDataset(torch.utils.data.Dataset):
     """16 examples of 6 features; reading example 12 crashes the process in C code (a segmentation fault)."""
 
@@ -352,13 +567,14 @@ class SegfaultingDataset(torch.utils.data.Dataset):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["evaluate", "lr_find"])
+@pytest.mark.parametrize("where", ["evaluate", "lr_find", "fit"])
 def test_a_loader_worker_that_segfaults_says_what_happened_and_what_to_do(where):
     """torch says only "DataLoader worker (pid(s) N) exited unexpectedly"; the note names the signal and the fix."""
     loader = DataLoader(SegfaultingDataset(), batch_size=4, num_workers=1)  # batch 4 holds example 12
     run = {
         "evaluate": lambda: gk.evaluate(small_mlp(), loader, device=CPU),
         "lr_find": lambda: gk.lr_find(small_mlp(), loader, device=CPU, steps=20),
+        "fit": lambda: train(small_mlp(), loader),
     }[where]
     with pytest.raises((RuntimeError, OSError)) as failed:
         run()
@@ -366,6 +582,42 @@ def test_a_loader_worker_that_segfaults_says_what_happened_and_what_to_do(where)
     assert "A DataLoader worker process died" in note, (failed.value, note)
     assert "SIGSEGV" in note or "a worker process ended" in note, note
     assert "num_workers=0" in note and "segmentation fault" in note
+
+
+class KilledInEpoch2(torch.utils.data.Dataset):
+    """16 examples of 6 features; a loader worker is killed (SIGKILL: the kernel's out-of-memory killer) as it reads
+    its 21st example, the second batch of epoch 2 at batch 4: a persistent worker counts across epochs."""
+
+    def __init__(self, kill: bool = True):
+        self.kill, self.read = kill, 0
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        self.read += 1
+        if self.kill and self.read == 21 and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return features(1, index)[0], index % 4
+
+
+@pytest.mark.timeout(120)
+def test_a_persistent_loader_worker_killed_in_epoch_2_says_what_to_do_and_the_save_resumes(tmp_path):
+    """torch said only "DataLoader worker (pid(s) N) exited unexpectedly"."""
+
+    def loader(kill: bool) -> DataLoader:
+        return DataLoader(KilledInEpoch2(kill), batch_size=4, num_workers=1, persistent_workers=True)
+
+    with pytest.warns(UserWarning, match="persistent_workers=True"):  # (a resume replays it only in part: said)
+        with pytest.raises(RuntimeError) as failed:
+            train(small_mlp(), loader(kill=True), epochs=3, checkpoint_dir=tmp_path)
+    note = " ".join(getattr(failed.value, "__notes__", []))
+    assert "A DataLoader worker process died" in note and "killed by SIGKILL" in note, (failed.value, note)
+    assert "out of memory" in note and "fit resumes from the last save" in note, note
+    assert "keeps the last good save: optimizer step 4 (epoch 1)" in note, note
+    with pytest.warns(UserWarning, match="persistent_workers=True"):
+        history = train(small_mlp(), loader(kill=False), epochs=3, checkpoint_dir=tmp_path)
+    assert [row["step"] for row in history.steps] == list(range(1, 13)) and len(history.epochs) == 3
 
 
 def test_a_worker_crash_note_is_only_for_a_dead_worker():
@@ -401,3 +653,27 @@ def test_breakdown_of_a_batch_on_the_meta_device_points_to_estimate(kind):
     assert "torch.zeros_like(tensor, device='cpu')" in message
     predicted = gk.memory.estimate(build(), batch("meta"), device=CPU)  # what the message offers works
     assert predicted.total == gk.memory.estimate(build(), batch(CPU), device=CPU).total > 0
+
+
+class Batches:
+    """A re-iterable of batches without len(): each iteration starts afresh."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_data_without_len_that_ends_before_max_steps_says_where_the_schedule_stopped(kind):
+    """10 batches and max_steps=100: the onecycle schedule warms up over 20 steps, so the run ended at step 10 with the
+    lr at about half its peak, and said nothing."""
+    build, good, _, _ = KINDS[kind]
+    peak = {"mlp": 0.05, "gpt": 1e-3}[kind]
+    with pytest.warns(UserWarning, match="ended after 10 optimizer steps") as said:
+        history = train(build(), Batches([good()] * 10), max_steps=100, lr=peak)
+    message, lr = str(said[0].message), history.steps[-1]["lr"]
+    assert history.steps[-1]["step"] == 10 and 0.4 < lr / peak < 0.6  # mid-warm-up, as the issue saw it
+    assert "short of max_steps=100" in message and "Pass max_steps=10 " in message, message
+    assert f"with the lr at {lr:g}, {lr / peak:.0%} of its peak {peak:g}" in message, message

@@ -9,6 +9,7 @@ In-process on the CPU: each point is a counter at a place the loop passes throug
 
 import signal
 from collections import Counter
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -41,8 +42,9 @@ class Trap:
         self.calls[place] += 1
         if self.armed == (place, self.calls[place]):
             self.armed = None  # once: a handler that runs the place again (a save in a finally) is not stopped
-            if self.sigterm:
-                signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns: Preempted, raised here
+            if self.sigterm:  # its handler runs before this returns: it raises (Preempted) or asks fit to stop
+                signal.raise_signal(signal.SIGTERM)
+                return
             raise KeyboardInterrupt
 
 
@@ -277,34 +279,51 @@ def test_an_interrupt_during_the_checks_before_training_says_so(tmp_path):
     assert not (tmp_path / "last.pt").exists()
 
 
-SIGTERM_POINTS = [
-    "mid-backward (step 2's first micro-batch)",
-    "in the middle of a save's write",
-    "gpt: mid-accumulation",
-]
+SIGTERM_POINTS = {  # point: the optimizer step after which the run is saved and stops
+    "mid-backward (step 2's first micro-batch)": 2,
+    "in the middle of a save's write": 3,  # (the save at step 2 goes on; step 3 is the next one)
+    "evaluation after epoch 1": 3,  # epoch 1's save, at its end
+    "gpt: mid-accumulation": 2,
+    "gpt: evaluation after epoch 2": 6,  # the last save: the run had ended
+}
 
 
+@pytest.mark.parametrize("handler", ["default", "sigterm_raises"])
 @pytest.mark.parametrize("point", SIGTERM_POINTS)
-def test_a_sigterm_stops_fit_as_ctrl_c_does_and_its_save_resumes_bit_equal(point, uninterrupted, tmp_path):
-    """SIGTERM, how Slurm and Kubernetes preempt and torchrun stops its workers, under gk.preemption.sigterm_raises
-    (which `gpukit train`, launch's workers and gk.distributed.setup install): fit stops as at Ctrl-C, says which save
-    last.pt holds, and the same call resumes from it to a run never stopped. Without a handler SIGTERM ended the
-    process at once, with no word."""
+def test_a_sigterm_saves_after_the_step_then_stops_fit_and_the_save_resumes_bit_equal(
+    point, handler, uninterrupted, tmp_path
+):
+    """SIGTERM, how Slurm and Kubernetes preempt and torchrun and launch stop their workers: fit ends the optimizer step
+    in progress, saves there, and raises Preempted, whose note says which save resumes; the same call resumes from it
+    to a run never stopped. In a plain process (the default handler) SIGTERM ended it at once, with no word and the
+    work since the last save lost; under gk.preemption.sigterm_raises (`gpukit train`, launch's workers) it stopped at
+    once, keeping only the last save."""
     kind, place, n = POINTS[point]
     make_model, make_data, _, _ = KINDS[kind]
-    model, handler = make_model(), signal.getsignal(signal.SIGTERM)
+    model, before = make_model(), signal.getsignal(signal.SIGTERM)
     disturb_generators(100)
     TRAP.arm(place, n, sigterm=True)
-    with pytest.raises(Preempted) as stopped, sigterm_raises():
+    with pytest.raises(Preempted) as stopped, sigterm_raises() if handler == "sigterm_raises" else nullcontext():
         fit(kind, model, make_data(), tmp_path)
-    assert TRAP.armed is None and str(stopped.value).startswith("stopped by SIGTERM")
-    assert signal.getsignal(signal.SIGTERM) == handler  # put back as it was
+    assert TRAP.armed is None and str(stopped.value) == "stopped by SIGTERM at the next safe point, after saving"
+    assert signal.getsignal(signal.SIGTERM) == before  # put back as it was
+    saved = read_checkpoint(tmp_path / "last.pt")
+    assert saved["step"] == TRAP.calls["stepped"] == SIGTERM_POINTS[point]  # saved at the step it stopped after
     assert_says_how_far("".join(getattr(stopped.value, "__notes__", [])), tmp_path, place)
     assert all(parameter.grad is None for parameter in model.parameters())
     resumed = make_model()
     disturb_generators(101)
     history = fit(kind, resumed, make_data(), tmp_path)
     assert_same_run(resumed, history, tmp_path, uninterrupted[kind])
+
+
+def test_a_sigterm_without_a_checkpoint_dir_stops_after_the_step_and_says_nothing_was_saved():
+    TRAP.arm("forward", 3, sigterm=True)  # step 2's first micro-batch
+    with pytest.raises(Preempted) as stopped:
+        gk.fit(cnn(), CountedImages(), **(OPTIONS | {"save_every": None}))
+    note = "".join(getattr(stopped.value, "__notes__", []))
+    assert "after optimizer step 2 of 6" in note and "no checkpoint_dir, nothing saved" in note, note
+    assert TRAP.calls["stepped"] == 2
 
 
 def test_a_loop_that_saves_before_it_stops_hears_the_first_sigterm_as_a_request():
@@ -318,6 +337,12 @@ def test_a_loop_that_saves_before_it_stops_hears_the_first_sigterm_as_a_request(
         with pytest.raises(Preempted, match="second SIGTERM"):
             signal.raise_signal(signal.SIGTERM)
         assert isinstance(request.preempted(), KeyboardInterrupt)  # what handles Ctrl-C handles it
+    with gk.preemption.sigterm_requests_a_stop() as request:
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gk.preemption, "_parent_gone", True)  # end_with_parent's thread repeats the kernel's SIGTERM
+            signal.raise_signal(signal.SIGTERM)  # the same news, not a second request: no Preempted
+        assert request.asked
     assert signal.getsignal(signal.SIGTERM) == before
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

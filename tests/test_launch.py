@@ -335,6 +335,35 @@ def test_nan_inputs_on_one_rank_are_named_on_every_rank(kind):
     assert results[0] == results[1]
 
 
+def fit_with_nan_early_in_a_window_on_rank_one(kind: str):
+    """64 examples, 4 batches of 8 per rank in order (rank 1 reads the odd ones), one row at step 4; example 19, in
+    rank 1's batch 2, holds NaN: every rank reads its epoch again (the batches in hand are finite), answers gathered."""
+    gk.distributed.setup(timeout=30)
+    torch.manual_seed(0)
+    inputs, labels = features_and_labels(64, nan=False)
+    inputs[19] = float("nan")
+    loader = gk.distributed.sharded_loader(TensorDataset(inputs, labels), 8, shuffle=False, device="cpu")
+    try:
+        gk.fit(DDP_MODELS[kind](), loader, log_every=4, progress=False, device="cpu")
+    except gk.NonFiniteLossError as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", DDP_MODELS)
+@pytest.mark.usefixtures("no_cuda_device")
+def test_nan_inputs_early_in_a_log_window_on_one_rank_are_named_on_every_rank(kind):
+    results = launch(
+        fit_with_nan_early_in_a_window_on_rank_one, 2, kind, backend="gloo", start_method="fork", timeout=120
+    )
+    for rank, (error, message) in enumerate(results):
+        assert error == "NonFiniteInputError", (rank, message)
+        words = "on rank 1 of 2, the loss became non-finite by optimizer step 4 (epoch 1), and batch 2 of the epoch"
+        assert message.startswith(words), (rank, message)
+        assert "input 0 holds 48 NaN" in message and "not in the learning rate" in message  # 1 × 48 values
+    assert results[0] == results[1]
+
+
 def fit_with_fewer_examples_on_rank_one(kind: str):
     worker = gk.distributed.setup(timeout=30)
     size = 64 if worker.rank == 0 else 40  # 32 and 20 examples per rank: batches of 8 → 4 and 3
@@ -415,7 +444,7 @@ def processes_left():
 
 
 LAUNCHED_FIT = """
-import sys, time
+import os, sys, time
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -430,6 +459,7 @@ class Slow(Dataset):  # 64 examples of 6 features, 5 ms each: the run lasts minu
 
 def train(folder):
     gk.distributed.setup()
+    print("pid", os.getpid(), flush=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     gk.fit(model, Slow(), epochs=200, batch_size=8, save_every=1, checkpoint_dir=folder, progress=False, device="cpu")
@@ -468,6 +498,38 @@ def test_a_launcher_stopped_by_sigterm_stops_its_workers_and_says_which_save_res
     saved = read_checkpoint(tmp_path / "run" / "last.pt")  # the checksum verified: a save to resume from
     assert said.startswith("gpukit.preemption.Preempted: launch: stopped by SIGTERM"), said
     assert "its 2 workers were stopped. Rank 0: fit stopped in epoch" in said, said
+    assert f"keeps the last good save: optimizer step {saved['step']} " in said and "resumes from there" in said, said
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_one_save(tmp_path, processes_left):
+    """SIGTERM reaches one worker (a node's agent stopping its processes, `kill` by hand): that rank asks, every rank
+    learns it at the same History row (the log's all-reduce carries it), all save that step together and stop; the
+    launch says which save resumes. The asked rank used to stop at once, and the other waited in its next collective
+    for a peer that had gone."""
+    (tmp_path / "job.py").write_text(LAUNCHED_FIT)
+    launcher = start_with_sigint_ignored([sys.executable, "job.py", "train", str(tmp_path / "run")], tmp_path)
+    processes_left.append(launcher.pid)
+    wait_until(
+        lambda: (tmp_path / "run" / "last.pt").exists(),
+        150,
+        "no save; stderr: " + (tmp_path / "stderr").read_text()[-2000:],
+    )
+    pids = {
+        line.split()[1]: int(line.split()[-1])
+        for line in (tmp_path / "stdout").read_text().splitlines()
+        if " pid " in line
+    }
+    processes_left.extend(pids.values())
+    assert sorted(pids) == ["0]", "1]"], pids  # "[rank 0] pid N", "[rank 1] pid M"
+    os.kill(pids["1]"], signal.SIGTERM)
+    assert launcher.wait(timeout=60) != 0
+    wait_until(lambda: not any(alive(pid) for pid in pids.values()), 30, "a worker still running after the launch")
+    said = (tmp_path / "stderr").read_text().strip().splitlines()[-1]
+    saved = read_checkpoint(tmp_path / "run" / "last.pt")
+    # 64 examples on 2 ranks at batch 8: 4 optimizer steps an epoch, a History row at each epoch's end (log_every=10)
+    assert saved["step"] % 4 == 0 and saved["position"] == 0, (saved["step"], saved["position"], said)
+    assert said.startswith("gpukit.preemption.Preempted: launch: rank "), said
+    assert "was stopped by SIGTERM at the next safe point, after saving; its 2 workers were stopped." in said, said
     assert f"keeps the last good save: optimizer step {saved['step']} " in said and "resumes from there" in said, said
 
 

@@ -84,11 +84,18 @@ def _wait(processes, output: _OutputForwarder, timeout: float | None) -> None:
 
 
 def _stop(processes) -> None:
-    """SIGTERM every worker still running, then SIGKILL those that outlive the grace period."""
+    """SIGTERM every worker still running, a second SIGTERM to those still running halfway through the grace period
+    (fit hears the first as a request to save after its step, and the second as a stop at once: its note names the
+    last save), then SIGKILL those that outlive it."""
     alive = [p for p in processes if p.exitcode is None]
     for process in alive:
         process.terminate()
     deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for process in alive:
+        process.join(max(0.0, deadline - STOP_GRACE_SECONDS / 2 - time.monotonic()))
+    for process in alive:
+        if process.exitcode is None:
+            process.terminate()
     for process in alive:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.exitcode is None:

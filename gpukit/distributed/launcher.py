@@ -95,7 +95,8 @@ def launch(
 
     Stopping: SIGTERM (a batch job preempted, `kill`) stops launch as Ctrl-C does, also where SIGINT
     is ignored (`python train.py &` in a batch script): every worker gets SIGTERM, which raises
-    gk.preemption.Preempted inside it (fit then notes which save resumes the run), and launch raises
+    gk.preemption.Preempted inside it (inside fit, after the run is saved at the end of its step; a second
+    SIGTERM halfway through STOP_GRACE_SECONDS stops it at once; fit's note says which save resumes), and launch raises
     Preempted with one line saying what rank 0 said. Workers end with a launcher that dies any other
     way too (SIGKILL, a closed notebook): gk.preemption.end_with_parent.
     """

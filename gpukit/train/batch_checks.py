@@ -7,33 +7,50 @@ failed_batch_cause   when a training step fails: the cause read from the batch's
                      them up), or None;
 check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand, or no target of it scored
                      (all ignored), is a problem in the data;
+earlier_problem      after a non-finite loss or weights whose last batch shows no cause: the epoch read again
+                     (only then), and the earlier batch that holds NaN or inf or scores no target named;
 warn_if_scalars_ignored  at the first step: scalar tensors the model returns beside its prediction (an
                      auxiliary loss) that the loss leaves out, said once per fit.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from .. import distributed
+from ..data.loaders import worker_crashes_explained
 from ..step import Batch, BatchError, Loss, describe_value, named_outputs, split_batch, unpack_outputs
-from .checks import FirstCallError, NonFiniteInputError, _is_float_tensor, describe, is_class_tensor
+from .checks import FirstCallError, NonFiniteInputError, batch_problem, describe, is_class_tensor
+from .data import batch_on_device, exact_device
+from .saved_state import (
+    global_generators,
+    order_replayable,
+    order_state,
+    restore_global_generators,
+    restore_order,
+)
 from .tally import callers_stacklevel
 
 
-def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> None:
+def check_finite_inputs(
+    batch: Batch | None, step: int, epoch: int, ignore_index: int, earlier: Callable[[], str | None] | None = None
+) -> None:
     """After a non-finite loss: NaN or inf in the floating-point tensors of the batch in hand, or class targets all
     equal to `ignore_index` (a loss of 0/0), is named as a problem in the data, with the step that read the batch
-    (one synchronisation, once).
+    (one synchronisation, once); where the batch in hand shows none, `earlier()` says what an earlier batch shows
+    (earlier_problem), or None.
 
     In a distributed job every rank calls it at the same log step (the logged loss is summed over ranks) and one
     all_gather_object says whose batch it is: DDP's all-reduce of the gradients carries one rank's NaN to every rank,
     whose own batches are finite, and without it those ranks blamed the learning rate."""
     problem = data_problem(batch, step, epoch, ignore_index)
+    if problem is None and earlier is not None:
+        problem = earlier()
     ranks = distributed.world_size()
     if ranks == 1:
         if problem is not None:
@@ -54,7 +71,7 @@ def check_finite_inputs(batch: Batch | None, step: int, epoch: int, ignore_index
 
 def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) -> str | None:
     """What check_finite_inputs raises about `batch` (NaN or inf in it, or every target ignored), or None."""
-    problem = None if batch is None else batch_problem(batch, ignore_index)
+    problem = None if batch is None else _problem(batch, ignore_index)
     if problem is None:
         return None
     return (
@@ -63,29 +80,94 @@ def data_problem(batch: Batch | None, step: int, epoch: int, ignore_index: int) 
     )
 
 
-def batch_problem(batch: Batch, ignore_index: int) -> str | None:
-    """How `batch` makes a loss non-finite, as the end of a sentence about it ("is not finite: …", "has all its …
-    targets ignored …") with what to do; None if it holds no NaN or inf and scores a target (one synchronisation)."""
-    named = _named_float_tensors(batch)
-    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
-    found = [
-        f"{name} holds {nan} NaN and {inf} infinite values"
-        for (name, _), (nan, inf) in zip(named, counts)
-        if nan or inf
-    ]
-    if found:
-        return (
-            f"is not finite: {'; '.join(found)}. This is a problem in the data, not in the learning rate: remove "
-            "or fix those examples (e.g. torch.nan_to_num, or drop rows where torch.isfinite(x).all() is False)."
+def earlier_problem(run, epoch: int, in_hand: Batch | None, read: int | None = None, what: str = "loss") -> str | None:
+    """After the `what` ("loss", "weights") of fit's `run` became non-finite in epoch `epoch` (from 0) and the batch
+    in hand shows no cause: the epoch's batches read again from its start in its order, without the model, as many as
+    training had read (`read`, else by the last optimizer step); the first that holds NaN or inf or scores no target,
+    in words, or None. Such a batch makes the loss logged over a window of steps NaN, and NaN inputs reach the weights
+    through its backward even where its loss leaves them out (an ignored target): the batch read last is finite.
+
+    Named only where the order read again is training's: the batch in hand (`in_hand`, by its values) found where
+    training read it, or, without one (a save), a loader whose order the saved state replays. Read only on this path,
+    so that no step pays for it; the generators and the loader's state are put back. A failure to read is no answer
+    (None): in a distributed job every rank must reach check_finite_inputs' gather."""
+    loader = run.loader
+    if run.epoch_start is None or isinstance(loader, Iterator) or in_hand is None and not order_replayable(loader):
+        return None  # (an iterator is read once; an order from elsewhere would name another batch)
+    read = read or run.batches_read()
+    try:
+        found = _read_again(run, in_hand, read)
+    except Exception:  # the diagnosis only: the error it would explain is raised either way
+        return None
+    if found is None:
+        return None
+    number, batch, problem = found
+    return (
+        f"the {what} became non-finite by optimizer step {run.step_index} (epoch {epoch + 1}), and batch {number} of "
+        f"the epoch ({describe(batch)}){', read before the last,' if in_hand is not None else ''} {problem}"
+        + (
+            " The loss logged is the mean over the steps since the last row: one such batch makes it non-finite, and"
+            " NaN that a batch's backward carries into the weights makes every later loss NaN."
+            if in_hand is not None
+            else " Its backward carried the NaN into the weights."
         )
+    )
+
+
+def _read_again(run, in_hand: Batch | None, read: int) -> tuple[int, Batch, str] | None:
+    """(number from 1, batch, problem) of the first of the epoch's first `read` batches with a problem, read again from
+    run.epoch_start; None if none, or if the batch in hand is not among those training read last (another order)."""
+    loader, device = run.loader, exact_device(run.device)
+    last = read + (run.accumulate - 1 if in_hand is not None else 0)  # (an unfinished step's may follow, at an end)
+    found, matched, now = None, in_hand is None, (global_generators(device), order_state(loader))
+    try:
+        restore_global_generators(run.epoch_start["generators"], device)
+        restore_order(loader, run.epoch_start["order"])
+        with worker_crashes_explained():
+            for number, raw in enumerate(itertools.islice(loader, last), 1):
+                batch = batch_on_device(raw, device, run.channels_last)
+                problem = None if found else _problem(batch, run.loss.ignore_index)
+                found = found or (problem and (number, batch, problem))
+                if number >= read and in_hand is not None and _same_values(batch, in_hand):
+                    matched = True
+                    break
+    finally:
+        restore_global_generators(now[0], device)
+        restore_order(loader, now[1])
+    return found if matched else None
+
+
+def _same_values(a: Batch, b: Batch) -> bool:
+    first, second = a.tensors(), b.tensors()
+    return len(first) == len(second) and all(
+        x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and torch.equal(x, y)
+        for x, y in zip(first, second)
+    )
+
+
+def _problem(batch: Batch, ignore_index: int) -> str | None:
+    """batch_problem's words, and where every example that holds NaN or inf scores no target, that its loss leaves
+    them out but its backward does not (a NaN that 0 × NaN carries into the weights' gradients)."""
+    problem = batch_problem(batch, ignore_index)
     target = batch.target
-    if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
-        return (
-            f"has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored target is "
-            "0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples without a scored "
-            "target (padding only, or too short to predict a next token), or give each batch at least one."
-        )
-    return None
+    if problem is None or not problem.startswith("is not finite") or not is_class_tensor(target) or not target.dim():
+        return problem
+    size = target.shape[0]
+    inputs = [t for t in (*batch.args, *batch.kwargs.values()) if _is_float(t) and t.dim() and t.shape[0] == size]
+    if not inputs:
+        return problem
+    bad = torch.stack([~t.isfinite().reshape(size, -1).all(1) for t in inputs]).any(0)  # (B,): examples with NaN/inf
+    scored = ~(target == ignore_index).reshape(size, -1).all(1)  # (B,): examples with a target the loss scores
+    if bool((bad & scored).any()) or not bool(bad.any()):  # (one synchronisation each, after the failure)
+        return problem
+    return (
+        f"{problem} The NaN or inf is only in examples whose targets are all ignored: the loss leaves them out, but "
+        "not their gradient, which carries it into the weights."
+    )
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def check_host_targets(raw, number: int, *, loss: Loss, device: torch.device, epoch: int):
@@ -167,15 +249,6 @@ def _ids_beyond_table(error: BaseException | None, model: nn.Module) -> str | No
         f"rows (ids 0..{rows - 1}): an id is out of range for that table. Encode the data with the model's tokenizer "
         f"(or that table's numbering), or build the table with {high + 1} rows or more (vocab_size={high + 1})."
     )
-
-
-def _named_float_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
-    """Floating-point tensors by name ("input 0", "input 0[2]" for a list's third image, "the target[1]['boxes']")."""
-    named = [(f"input {index}", t) for index, t in enumerate(batch.args)]
-    named += [(f"input {key!r}", t) for key, t in batch.kwargs.items() if t is not batch.target]
-    named.append(("the target", batch.target))
-    leaves = [(f"{name}{keystr(path)}", t) for name, value in named for path, t in tree_flatten_with_path(value)[0]]
-    return [(name, t) for name, t in leaves if _is_float_tensor(t)]
 
 
 def warn_if_scalars_ignored(loss: Loss, outputs) -> None:

@@ -21,14 +21,16 @@ from __future__ import annotations
 import errno
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from .. import distributed
 from ..files import lock_folder, remove_stale_temporaries
+from .batch_checks import check_finite_inputs, earlier_problem
 from .checkpoint_file import CheckpointError, plain_numbers, read_checkpoint, write_checkpoint
-from .checks import NonFiniteLossError
+from .checks import NonFiniteInputError, NonFiniteLossError
 from .data import batches
 from .saved_state import (
     _TALLY_FIELDS,
@@ -189,8 +191,8 @@ class Checkpointer:
         replayed from its saved start and read past the batches the saved run had trained on."""
         pending, self.pending = self.pending, None
         if pending is None:
-            if self.save_every:
-                self.epoch_start = {"generators": global_generators(self.device), "order": order_state(run.loader)}
+            # What a save within the epoch replays its order from: save_every's, and a SIGTERM's (run.save_and_stop)
+            self.epoch_start = {"generators": global_generators(self.device), "order": order_state(run.loader)}
             return batches(run.loader, run.device, check=run.target_check()), 0
         self.epoch_start = pending["start"]
         restore_global_generators(pending["start"]["generators"], self.device)
@@ -212,7 +214,7 @@ class Checkpointer:
     def save(self, run, epoch: int, position: int = 0, tally=None, window=None) -> None:
         """Save `run` after `position` micro-batches of epoch `epoch` (counted from 0); every rank calls it. A state
         that is not finite is never written over the last good save: a NonFiniteLossError names that save."""
-        self._refuse_non_finite(run, epoch + (position > 0))
+        self._refuse_non_finite(run, epoch, position)
         # What this save will be, and last.pt's inode before it: a save interrupted after its rename is known by that
         self.in_flight = (epoch + (position > 0), run.step_index), _identity(self.path)
         ranks = _every_rank(self._this_rank(run, position, tally, window))
@@ -290,18 +292,26 @@ class Checkpointer:
         epoch, step = self.last_good
         return f"{self.path} keeps the last good save: optimizer step {step} (epoch {epoch})"
 
-    def _refuse_non_finite(self, run, epoch: int) -> None:
+    def _refuse_non_finite(self, run, epoch: int, position: int) -> None:
         """Raise NonFiniteLossError, writing nothing, if a weight, buffer or optimizer state holds NaN or inf: the
-        loss is read only every log_every steps, so a save may come first (every rank checks: same answer)."""
+        loss is read only every log_every steps, so a save may come first (every rank checks: same answer). Where an
+        earlier batch of the epoch (`position` read, or all at its end) shows the cause, a NonFiniteInputError."""
         tensors = [value for value in run.model.state_dict().values() if torch.is_tensor(value)]
         for state in run.step.optimizer.state.values():
             tensors += [value for value in state.values() if torch.is_tensor(value)]
         tensors = [tensor for tensor in tensors if tensor.is_floating_point() or tensor.is_complex()]
         if not tensors or torch.stack([tensor.isfinite().all() for tensor in tensors]).all():  # one synchronisation
             return
+        last, trained = self.last_good_save(), epoch + (position > 0)  # (the epoch trained, from 1: an end's is before)
+        earlier = partial(earlier_problem, run, trained - 1, None, position or None, "weights")
+        try:
+            check_finite_inputs(None, run.step_index, epoch, run.loss.ignore_index, earlier)
+        except NonFiniteInputError as error:
+            error.add_note(f"They were not saved: {last}.")
+            raise
         raise NonFiniteLossError(
             f"the weights or the optimizer's state hold NaN or inf after optimizer step {run.step_index} (epoch "
-            f"{epoch}), so they were not saved: {self.last_good_save()}. Try a lower lr, more warm-up, gradient "
+            f"{trained}), so they were not saved: {last}. Try a lower lr, more warm-up, gradient "
             "clipping (clip=1.0), or bf16-mixed instead of fp16-mixed; the same checkpoint_dir resumes from that save."
         )
 

@@ -6,15 +6,15 @@
     check_eval_data      eval_data's first batch through the model (no gradients, eval mode), with the loss
                          and the metrics, before the first step: not after the first epoch has trained;
     check_first_batch    floating-point inputs of another dtype than the model's weights, named both;
+    batch_problem        NaN or inf in a batch, or no target of it scored: how it makes a loss non-finite;
     explained_model_failure  around the model call on the training data's first batch: a failure says how
                          the batch was split and called, and what to pass (as eval_data's check does);
 
 The mistakes found in the data while training (a failed step, a non-finite loss) are in batch_checks.py.
 
-eval_data is checked with one real forward rather than on the meta device or with fake tensors: those
-cannot run what depends on values (an attention mask read with .item(), boolean indexing, Python control
-flow on a tensor), so they would refuse models that train, while a real forward finds exactly what evaluation
-would. One forward of a two-example batch (or of a loader's first batch) costs less than one training step.
+eval_data is checked with one real forward, not on the meta device or with fake tensors: those cannot run what
+depends on values (a mask read with .item(), boolean indexing, Python control flow on a tensor), so they would
+refuse models that train. One forward of a two-example batch costs less than one training step.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ..step import (
     training_mode,
 )
 from ..validation import check_seed
+from .buffers import buffers_kept
 from .data import as_loader, batch_on_device
 from .tally import Tally
 
@@ -217,6 +218,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
             with precision.autocast():
                 value, parts = loss.of_evaluation(outputs, batch.target)
             Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs, parts)  # no tokens read
+            problem = batch_problem(batch, loss.ignore_index) if _not_finite(value) else None
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -224,6 +226,13 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
                 f"the loss or a metric failed on eval_data's first batch ({describe(batch)}) before training "
                 f"started: {_one_line(error)}"
             ) from error
+        if problem is not None:  # its eval_loss would be NaN after every epoch, its accuracy counted from NaN outputs
+            raise NonFiniteInputError(f"eval_data's first batch ({describe(batch)}) {problem}")
+
+
+def _not_finite(value) -> bool:
+    """Whether a loss (a tensor, or None where there is none) holds NaN or inf: one synchronisation."""
+    return isinstance(value, torch.Tensor) and not bool(value.detach().isfinite().all())
 
 
 @contextlib.contextmanager
@@ -320,6 +329,31 @@ def dtype_mismatch(model: nn.Module, batch: Batch) -> str:
     )
 
 
+def batch_problem(batch: Batch, ignore_index: int) -> str | None:
+    """How `batch` makes a loss non-finite, as the end of a sentence about it ("is not finite: …", "has all its …
+    targets ignored …") with what to do; None if it holds no NaN or inf and scores a target (one synchronisation)."""
+    named = _named_float_tensors(batch)
+    counts = torch.stack([torch.stack([t.isnan().sum(), t.isinf().sum()]) for _, t in named]).tolist() if named else []
+    found = [
+        f"{name} holds {nan} NaN and {inf} infinite values"
+        for (name, _), (nan, inf) in zip(named, counts)
+        if nan or inf
+    ]
+    if found:
+        return (
+            f"is not finite: {'; '.join(found)}. This is a problem in the data, not in the learning rate: remove "
+            "or fix those examples (e.g. torch.nan_to_num, or drop rows where torch.isfinite(x).all() is False)."
+        )
+    target = batch.target
+    if is_class_tensor(target) and target.numel() and bool((target == ignore_index).all()):
+        return (
+            f"has all its {target.numel()} targets ignored (equal to {ignore_index}): the loss of no scored target is "
+            "0/0 = NaN. This is a problem in the data, not in the learning rate: leave out examples without a scored "
+            "target (padding only, or too short to predict a next token), or give each batch at least one."
+        )
+    return None
+
+
 def is_class_tensor(value) -> bool:
     """An integer tensor of class indices or token ids (not bool)."""
     return (
@@ -354,33 +388,6 @@ def describe(batch: Batch) -> str:
     inputs = [shown(t) for t in batch.args] + [f"{key}={shown(t)}" for key, t in batch.kwargs.items()]
     target = f", target {shown(batch.target)}" if batch.target is not None and "labels" not in batch.kwargs else ""
     return f"input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)}{target}"
-
-
-def kept_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each buffer of the model with a copy of its value, for `put_back`: what a forward moves that a check, or a
-    refused first batch, must not leave behind (BatchNorm's statistics in training; a fake-quant observer's ranges,
-    which move in eval mode too). A lazy module's buffers, not yet made, have nothing to keep."""
-    return [(buffer, buffer.detach().clone()) for buffer in model.buffers() if not nn.parameter.is_lazy(buffer)]
-
-
-def put_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The buffers as `kept_buffers` copied them, exactly: also one that a forward resized (QAT's observers grow from
-    shape (0,) to one value per channel at their first forward), back to its shape."""
-    with torch.no_grad():
-        for buffer, value in kept:
-            if buffer.shape != value.shape:
-                buffer.resize_(value.shape)
-            buffer.copy_(value)
-
-
-@contextlib.contextmanager
-def buffers_kept(model: nn.Module):
-    """The model's buffers put back as they were when the block ends, however it ends."""
-    kept = kept_buffers(model)
-    try:
-        yield
-    finally:
-        put_back(kept)
 
 
 def _random_state_kept(device: torch.device):

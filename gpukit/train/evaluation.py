@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import math
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -13,9 +15,9 @@ from ..data.loaders import worker_crashes_explained
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Batch, BatchError, Loss, split_batch, training_mode
-from .checks import is_class_tensor
+from .checks import NonFiniteInputError, batch_problem, describe, is_class_tensor
 from .data import as_loader, move_batch
-from .tally import Tally, check_metrics, check_shifted_labels, predictions_can_wait
+from .tally import Tally, callers_stacklevel, check_metrics, check_shifted_labels, predictions_can_wait
 
 
 @torch.no_grad()
@@ -113,7 +115,39 @@ def evaluate(
     if tally.samples == 0:
         raise ValueError("evaluate() got no batches; the dataset is empty or smaller than one batch with drop_last.")
     counted = {"shifted_labels": bool(tally.shifted_labels)} if tally.sequences else {}
-    return tally.read(tokens=True) | {"samples": tally.samples} | counted
+    result = tally.read(tokens=True) | {"samples": tally.samples} | counted
+    if not math.isfinite(result.get("loss", 0.0)):  # the data read again, only now: which batch holds NaN or inf
+        _explain_non_finite(result["loss"], data, batch_size, device, channels_last, loss.ignore_index, split)
+    return result
+
+
+def _explain_non_finite(value: float, data, batch_size, device, channels_last: bool, ignore_index: int, split: bool):
+    """After a non-finite evaluation loss: the first batch of `data` (this rank's share with `split`) that holds NaN or
+    inf raised as a NonFiniteInputError, named on every rank; where none does (or the data can be read only once), a
+    warning that the model's outputs were not finite."""
+    problem = None
+    if not isinstance(data, Iterator):
+        loader = as_loader(data, batch_size, device, shuffle=False, channels_last=channels_last, shard=False)
+        ranks, rank = (distributed.world_size(), distributed.rank()) if split else (1, 0)
+        with worker_crashes_explained():
+            for index, raw in enumerate(itertools.islice(loader, rank, None, ranks)):
+                batch = split_batch(raw)
+                found = None if _scores_nothing(batch, ignore_index) else batch_problem(batch, ignore_index)
+                if found is not None:
+                    problem = f"batch {rank + index * ranks + 1} of the evaluation data ({describe(batch)}) {found}"
+                    break
+    said = [found for found in distributed.objects_over_ranks(problem) if found] if split else [problem] * bool(problem)
+    if said:
+        raise NonFiniteInputError(
+            f"the evaluation loss is {value}, and its accuracy would count NaN outputs: {said[0]}"
+        )
+    warnings.warn(
+        f"the evaluation loss is {value}, though no batch of the evaluation data holds NaN or inf"
+        f"{'' if not isinstance(data, Iterator) else ' (it can be read only once: not looked at)'}: the model's "
+        "outputs in eval mode are not finite (weights that hold NaN or inf, BatchNorm's running statistics, or an "
+        "overflow in float16), and its accuracy counts them.",
+        stacklevel=callers_stacklevel(),
+    )
 
 
 def _scores_nothing(batch: Batch, ignore_index: int) -> bool:

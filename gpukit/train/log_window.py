@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import torch
 
 from .. import distributed
 from ..step import Batch
-from .batch_checks import check_finite_inputs
+from .batch_checks import check_finite_inputs, earlier_problem
 from .checks import NonFiniteLossError
 from .tally import RunningSums
 
@@ -41,9 +42,10 @@ class LogWindow:
             self.sequences = True
             self.sums.defer("tokens", tokens)
 
-    def row(self, step: int, epoch: int, lrs: list[float]) -> dict:
-        """One History.steps row: one synchronisation (and in a distributed job one all-reduce)."""
-        self.sums.over_ranks()
+    def row(self, step: int, epoch: int, lrs: list[float], stop_asked: bool = False) -> dict:
+        """One History.steps row: one synchronisation (and in a distributed job one all-reduce). `stop_asked`: whether
+        SIGTERM asked this rank to stop; the ranks asked, summed in the same all-reduce, are `ranks_asked` after."""
+        (self.ranks_asked,) = self.sums.over_ranks(int(stop_asked))  # every rank learns it at the same log step
         sums, ranks = self.sums.read(), distributed.world_size()
         elapsed = time.perf_counter() - self.started  # after the synchronisation: the GPU's work is done
         mean = {name: value / (ranks * self.micro_batches) for name, value in sums.items() if name != "tokens"}
@@ -73,15 +75,17 @@ def write_row(run, window: LogWindow, epoch: int, batch: Batch | None = None) ->
     finite stops the run here, named as a data problem where the last batch shows one."""
     # A window resumed from a file saved before windows kept their lrs has none: the optimizer's now is the nearest.
     lrs = window.lrs or [group["lr"] for group in run.step.optimizer.param_groups]
-    row = window.row(run.step_index, epoch + 1, lrs)
+    row = window.row(run.step_index, epoch + 1, lrs, run.stop.asked)
+    run.stop_agreed = window.ranks_asked > 0  # a SIGTERM on any rank: every rank saves after this step and stops
     if not math.isfinite(row["loss"]):
-        check_finite_inputs(batch, run.step_index, epoch, run.loss.ignore_index)  # named as a data problem
+        earlier = partial(earlier_problem, run, epoch, batch)  # the epoch read again, if the last batch is finite
+        check_finite_inputs(batch, run.step_index, epoch, run.loss.ignore_index, earlier)  # named as a data problem
         raise NonFiniteLossError(
             f"the loss became {row['loss']} between optimizer steps {run.step_index - window.steps + 1} and "
             f"{run.step_index} (epoch {epoch + 1}, precision={run.precision.name}, peak lr={run.peak_lr:g}). Try a "
             "lower lr, more warm-up, gradient clipping (clip=1.0), or bf16-mixed instead of fp16-mixed (or loss "
-            "scaling if you scale by hand). The last batch read holds no NaN or inf and scores at least one target "
-            "(log_every=1 checks the batch of every step)."
+            "scaling if you scale by hand). The last batch read holds no NaN or inf and scores at least one "
+            "target, nor does an earlier one of the epoch, as far as the data could be read again."
             + (f" Nothing non-finite was saved: {run.checkpoint.last_good_save()}." if run.checkpoint else "")
         )
     run.history.steps.append(row)

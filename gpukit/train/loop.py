@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import distributed
+from .. import distributed, preemption
 from ..precision import Precision
 from ..step import Batch, BatchError
 from .batch_checks import failed_batch_cause, warn_if_scalars_ignored
-from .checks import describe, explained_model_failure, kept_buffers, put_back
+from .buffers import kept_buffers, put_back
+from .checks import describe, explained_model_failure
 from .data import batch_on_device, exact_device
 from .evaluation import evaluate
 from .history import History
@@ -114,7 +115,11 @@ def fit(
         has passed; not the model's initial weights, nor a loader of yours. None leaves the generators alone, so that
         each call draws anew (gpukit.train.setup says more).
     saving: a folder (or a gk.Saving: how often, in a thread) the run is saved in; a later call with it resumes where
-        the last save was, bit-equal to a run never stopped.
+        the last save was, bit-equal to a run never stopped. A SIGTERM while it trains (a scheduler preempting the job,
+        launch or torchrun stopping their workers) is a request: the optimizer step in progress ends, the run is saved
+        there (in a distributed job every rank at the next History row: the ranks agree there), and fit raises
+        gk.preemption.Preempted, a KeyboardInterrupt whose note says which save resumes the run; a second SIGTERM
+        stops it at once.
     progress, log_every: a progress bar; a History row every log_every optimizer steps (one synchronisation each).
     reporting: a gk.Reporting: live curves, TensorBoard scalars, the GPU's energy and clocks.
     The flat keywords from before the groups still work: channels_last, compile, activation_checkpointing,
@@ -123,7 +128,9 @@ def fit(
     """
     run = start_run(**locals())  # every check first, then the run built, resumed and reporting
     try:
-        return _train(run, epochs)
+        # A SIGTERM from here on is a request: the run saves after its step (every rank alike), then stops.
+        with preemption.sigterm_requests_a_stop() as run.stop:
+            return _train(run, epochs)
     finally:
         run.finish()  # the last save on disk, the folder let go; the model as it came
 
@@ -141,6 +148,11 @@ def _train(run: Run, epochs: int) -> History:
                         break
                     run.epoch = epoch
                     _end_epoch(run, epoch, *_train_epoch(run, epoch))
+                    if run.stop_agreed or run.stop.asked and run.alone:
+                        raise run.stop.preempted()  # SIGTERM: the epoch's end is saved (_end_epoch)
+                if run.stop.asked:  # (after the last History row: nothing to save that is not saved)
+                    raise run.stop.preempted()
+                run.warn_if_data_ended_early(epochs)  # data without len() that ended before max_steps
         finally:
             run.close()  # (inside the outer try: Ctrl-C as the bar closes gets the note too)
     except torch.OutOfMemoryError as out_of_memory:
@@ -176,6 +188,8 @@ def _train_epoch(run: Run, epoch: int) -> tuple[Tally, float]:
             _optimizer_step(run, window, epoch, batch)
             if run.done():
                 break  # the last step is saved with its epoch's row, by _end_epoch
+            if run.stop_agreed or run.stop.asked and run.alone:
+                run.save_and_stop(epoch, micro, tally, window)  # SIGTERM: saved after this step, then stopped
             if run.save_every and run.step_index % run.save_every == 0:
                 run.save(epoch, micro, tally, window)
     run.end_pass(epoch, micro)  # an incomplete last step's gradients dropped; an epoch without batches refused

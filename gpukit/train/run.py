@@ -18,9 +18,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .. import distributed
+from ..data.loaders import worker_crash
 from ..hardware.monitor import Monitor
 from ..memory.allocator import free_memory, out_of_memory_error, watch_out_of_memory
 from ..precision import Precision
+from ..preemption import StopRequest
 from ..step import Batch, Loss, TrainStep
 from ..widgets import Progress
 from .batch_checks import check_host_targets
@@ -31,7 +33,7 @@ from .history import History
 from .log_window import LogWindow
 from .model_options import ModelOptions
 from .options import Reporting, Saving
-from .saved_state import warn_if_order_cannot_be_saved
+from .saved_state import order_state, torch_generators, warn_if_order_cannot_be_saved
 from .tally import Tally, callers_stacklevel
 from .tensorboard_log import open_log
 
@@ -90,6 +92,11 @@ class Run:
     epoch: int = 0  # the epoch in progress, counted from 0
     step_index: int = 0  # optimizer steps taken
     phase: str = "loading data"  # what an out-of-memory error is reported as happening in
+    stop: StopRequest = field(default_factory=StopRequest)  # SIGTERM's request, within fit (gk.preemption)
+    stop_agreed: bool = False  # a rank was asked to stop by the last History row (summed over ranks there)
+    alone: bool = True  # one process: a stop asked needs no agreement, and is acted on at the next optimizer step
+    epoch_start: dict | None = None  # the generators and the loader's state the epoch's order came from
+    epoch_begun: tuple[int, int] = (0, 0)  # (optimizer steps, micro-batches of the epoch read) as the epoch began
     initial: dict | None = None  # with a checkpoint_dir, until its first save: the state fit began from, on the host
     options: ModelOptions | None = None  # the model transforms, undone when fit ends
     started: float = field(default_factory=time.perf_counter)
@@ -180,8 +187,19 @@ class Run:
         tally = Tally(self.device, self.loss, self.metrics, self.hold_predictions, self.shifted_labels)
         window = LogWindow(self.device)
         if self.checkpoint is None:
+            # What the epoch's order comes from, for a failure to read the epoch again (batch_checks.earlier_problem)
+            self.epoch_start = {"generators": torch_generators(self.device), "order": order_state(loader)}
+            self.epoch_begun = (self.step_index, 0)
             return batches(loader, self.device, check=self.target_check()), 0, tally, window
-        return *self.checkpoint.start_epoch(self, tally, window), tally, window
+        epoch_batches, position = self.checkpoint.start_epoch(self, tally, window)
+        self.epoch_start = self.checkpoint.epoch_start  # (a resumed epoch's: the one it began with)
+        self.epoch_begun = (self.step_index, position)
+        return epoch_batches, position, tally, window
+
+    def batches_read(self) -> int:
+        """The micro-batches of the epoch read by the last optimizer step (those of an unfinished one not counted)."""
+        step, position = self.epoch_begun
+        return position + (self.step_index - step) * self.accumulate
 
     def end_pass(self, epoch: int, micro: int) -> None:
         """After an epoch's batches (`micro` of them): the gradients of a last, incomplete step dropped (data without
@@ -199,6 +217,32 @@ class Run:
         `position` micro-batches with the epoch's sums so far."""
         self.checkpoint.save(self, epoch, position, tally, window)
         self.initial = None  # a resume from that save is exact now
+
+    def save_and_stop(self, epoch: int, position: int = 0, tally: Tally | None = None, window: LogWindow | None = None):
+        """SIGTERM asked the run to stop (how Slurm and Kubernetes preempt, how torchrun and launch stop workers): after
+        a whole optimizer step, saved on every rank (with a checkpoint_dir), then Preempted, a KeyboardInterrupt whose
+        note (`stopped`) says which save resumes the run."""
+        if self.checkpoint is not None:
+            self.save(epoch, position, tally, window)
+        raise self.stop.preempted()
+
+    def warn_if_data_ended_early(self, epochs: int) -> None:
+        """After the last epoch: a schedule laid out over more steps than the data gave (data without len() and
+        max_steps, which fit cannot compare before the data ends), said with where the lr stopped. A warning, not an
+        error: every step taken is sound and the History is returned; what the reader did not get is the rest of the
+        schedule they asked for (the lr may have stopped mid-warm-up, at a fraction of its peak)."""
+        if self.total_steps is None or self.step_index >= self.total_steps or not self.history.steps:
+            return
+        lr = self.history.steps[-1]["lr"]  # the lr the last step trained with
+        warnings.warn(
+            f"the training data ended after {self.step_index} optimizer steps ({epochs} epoch{'s' * (epochs > 1)} of "
+            f"data without len()), short of max_steps={self.total_steps}, over which the lr schedule was laid out: "
+            f"training stopped at step {self.step_index} of {self.total_steps} of its schedule, with the lr at {lr:g}, "
+            f"{lr / self.peak_lr:.0%} of its peak {self.peak_lr:g}. Pass max_steps={self.step_index} to lay the "
+            f"schedule out over the steps the data gives, or more epochs to read it again until step "
+            f"{self.total_steps}.",
+            stacklevel=callers_stacklevel(),  # the line of yours that called fit
+        )
 
     def keep_initial_state(self) -> None:
         """A host copy of the model's state (weights, buffers) and the optimizer's, put back if fit is stopped before
@@ -247,6 +291,9 @@ class Run:
         self.model.zero_grad(set_to_none=True)
         self.put_back_if_unsaved()
         stopped.add_note(self.how_far())
+        crash = worker_crash(stopped)  # a DataLoader worker that died: torch says only that it "exited unexpectedly"
+        if crash is not None:
+            stopped.add_note(crash)
         stopped.noted_by_fit = True
 
     def out_of_memory(self, error: torch.OutOfMemoryError) -> torch.OutOfMemoryError:

@@ -2,7 +2,7 @@
 
 The checks, in order: the numbers (epochs, accumulate, clip, lr, log_every, schedule, max_steps), the data order's seed,
 the device and the precision on it (and FP8 there), the model (gpukit.train.checks: trainable, an optimizer of its own
-parameters, a folder that can hold its saves), the loss and metrics, the training data (a loader that gives batches,
+parameters, a folder that can hold its saves), TensorBoard's log_dir, the loss and metrics, the training data (a loader that gives batches,
 and the steps it makes), eval_data's first batch through the model (moved to the device for it), and the optimizer's
 learning rates. Then building: the model transforms (gpukit.train.model_options), the data-parallel wrapper, the
 TrainStep, the schedule and the History; then resuming from the last save and starting the reports, and at last
@@ -11,9 +11,12 @@ torch's generator seeded: a call refused by any check has drawn nothing from it.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,7 +28,7 @@ from ..optim import SCHEDULES, check_lr, default_lr, make_optimizer, make_schedu
 from ..precision import get_precision
 from ..runfile import run_environment
 from ..step import Loss, TrainStep
-from ..validation import check_int, check_number
+from ..validation import check_int, check_number, check_seed
 from .checks import check_arguments, check_eval_data
 from .data import as_loader, length
 from .history import History
@@ -33,6 +36,7 @@ from .model_options import ModelOptions
 from .options import ModelTransforms, Reporting, Saving
 from .run import Run
 from .tally import callers_stacklevel, check_metrics, check_shifted_labels
+from .tensorboard_log import check_log_folder
 
 
 def start_run(
@@ -66,6 +70,7 @@ def start_run(
 ) -> Run:
     """fit's arguments checked, then the run built and begun; a failure after the model's transforms leaves the model
     as it came (Run.finish)."""
+    saving, reporting = _absolute(saving, "folder"), _absolute(reporting, "log_dir")
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels)
     order_seed = _order_seed(seed)
     warmup = _warmup(warmup, warmup_steps)
@@ -74,6 +79,8 @@ def start_run(
     fp8_config = float8.training_config(transforms.fp8, device)  # raises before any work without torchao or FP8 cores
     _check_model(model, fp8_config)
     check_arguments(model, seed=seed, checkpoint_dir=saving.folder, optimizer=optimizer)
+    if distributed.is_main():  # the one rank that writes TensorBoard's files
+        check_log_folder(reporting.log_dir)
     loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
     channels_last = transforms.channels_last
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
@@ -116,6 +123,7 @@ def start_run(
         shifted_labels=shifted_labels,
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
         options=options,
+        alone=distributed.world_size() == 1,
     )
     settings = _settings(run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config)
     del loader, built, parallel, step  # the run holds them: an out-of-memory error releases the run whole
@@ -127,6 +135,16 @@ def start_run(
     return run
 
 
+def _absolute(options: Saving | Reporting, field: str) -> Saving | Reporting:
+    """`options` with the folder in `field` made absolute as fit starts: a Dataset (or anything else) that changes the
+    working folder while fit trains must not move the saves or TensorBoard's files after it elsewhere (a folder that is
+    no path, or names none, is refused by its check)."""
+    folder = getattr(options, field)
+    if not isinstance(folder, (str, os.PathLike)) or not str(os.fspath(folder)).strip():
+        return options
+    return replace(options, **{field: Path(folder).absolute()})
+
+
 def _move_model(model: nn.Module, device: torch.device, channels_last: bool) -> None:
     """The model onto `device`, its 4-D weights channels_last if asked. Two calls: `to` with a memory format (even
     preserve_format) reads every parameter's dim(), which a lazy module's uninitialised parameters refuse."""
@@ -136,10 +154,11 @@ def _move_model(model: nn.Module, device: torch.device, channels_last: bool) -> 
 
 
 def _order_seed(seed: int | None) -> int:
-    """The seed of the data order of the loader fit builds: `seed`, or with seed=None a draw from torch's generator."""
+    """The seed of the data order of the loader fit builds: `seed` (a Python or NumPy integer), or with seed=None a
+    draw from torch's generator."""
     if seed is None:
         return int(torch.randint(2**31, ()))
-    return check_int("seed", seed, minimum=0)
+    return check_seed(seed)  # the kit's one rule: NumPy's integers too, 0..2**32 - 1
 
 
 def _settings(run: Run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config) -> dict:

@@ -20,16 +20,9 @@ class TensorBoardLog:
     """Writes History rows to a TensorBoard event file in `log_dir` (one folder per run)."""
 
     def __init__(self, log_dir: str | Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as error:
-            raise ImportError(
-                f"fit(log_dir=...) writes TensorBoard logs, which needs the tensorboard package: "
-                f"pip install 'gpukit[{EXTRA}]' (or pip install tensorboard), or leave log_dir out."
-            ) from error
         self.log_dir = Path(log_dir)
-        _check_writable(self.log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        check_log_folder(self.log_dir)
+        self.writer = _summary_writer()(log_dir=str(self.log_dir))
 
     def add_step(self, row: dict) -> None:
         self._add("steps", row, row["step"], skip=("step", "epoch"))
@@ -62,6 +55,26 @@ class NoLog:
 
 def open_log(log_dir: str | Path | None) -> TensorBoardLog | NoLog:
     return TensorBoardLog(check_log_dir(log_dir)) if log_dir is not None else NoLog()
+
+
+def check_log_folder(log_dir) -> None:
+    """Before fit builds or moves anything: log_dir names a folder that can be written (made if missing), and the
+    tensorboard package that writes into it is installed."""
+    if check_log_dir(log_dir) is None:
+        return
+    _summary_writer()
+    _check_writable(Path(log_dir))
+
+
+def _summary_writer() -> type:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise ImportError(
+            f"fit(log_dir=...) writes TensorBoard logs, which needs the tensorboard package: "
+            f"pip install 'gpukit[{EXTRA}]' (or pip install tensorboard), or leave log_dir out."
+        ) from error
+    return SummaryWriter
 
 
 def check_log_dir(log_dir):

@@ -677,3 +677,108 @@ def test_data_without_len_that_ends_before_max_steps_says_where_the_schedule_sto
     assert history.steps[-1]["step"] == 10 and 0.4 < lr / peak < 0.6  # mid-warm-up, as the issue saw it
     assert "short of max_steps=100" in message and "Pass max_steps=10 " in message, message
     assert f"with the lr at {lr:g}, {lr / peak:.0%} of its peak {peak:g}" in message, message
+
+
+# Batches a loader gives that cannot be read (issue 47): each named with its number and what to do.
+
+
+def on_meta(batch):
+    return tuple(tensor.to("meta") for tensor in batch)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_on_the_meta_device_is_named_with_what_to_pass_instead(kind):
+    build, good, _, _ = KINDS[kind]
+    batches = [good(), good(), good()]
+    assert len(train(build(), batches).steps) == 3  # the same batches with values train
+    with pytest.raises(
+        ValueError, match=r"batch 3 of epoch 1: .*meta device \(shapes without values.*gk\.memory\.estimate"
+    ):
+        train(build(), [*batches[:2], on_meta(batches[2])])
+    with pytest.raises(ValueError, match=r"batch 2 of the evaluation data: .*meta device.*real tensors"):
+        gk.evaluate(build(), [batches[0], on_meta(batches[1])], device=CPU)
+
+
+class Items(torch.utils.data.Dataset):
+    """A map-style dataset of `items` (a list), as a reader's __getitem__ returns them."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+# Per kind: a model, and 32 items (inputs, target) of one form; item 19 is made None or another shape.
+ITEMS = {
+    "mlp": (small_mlp, lambda: [(row, int(label)) for row, label in zip(features(32), classes(32))], (6,), (5,)),
+    "gpt": (tiny_gpt, lambda: [(row, row) for row in tokens(32, 16)], (16,), (15,)),
+}
+
+
+@pytest.mark.parametrize("bad", ["None", "shape"])
+@pytest.mark.parametrize("kind", ITEMS)
+def test_an_item_the_loader_cannot_collate_is_named_with_its_index(kind, bad):
+    """Item 19 (in batch 3 of 8 items) None, or of another shape than the others: default_collate's TypeError or
+    "stack expects each tensor to be equal size" become the dataset index, what it returned and what to do."""
+    build, make, usual, other = ITEMS[kind]
+    items = make()
+    assert len(train(build(), DataLoader(Items(items), batch_size=8)).steps) == 4  # the good items train
+    inputs, target = items[19]
+    items[19] = None if bad == "None" else (inputs[: other[0]], target[: other[0]] if kind == "gpt" else target)
+    returned = "None" if bad == "None" else rf"\(a tensor of shape \({other[0]},\)"
+    said = (
+        rf"dataset\[19\] returned {returned}.*, where its other 7 items are \(a tensor of shape \({usual[0]},\).*"
+        r"Fix the dataset's __getitem__.*collate_fn that pads"
+    )
+    with pytest.raises(ValueError, match=rf"batch 3 of epoch 1: .*{said}"):
+        train(build(), DataLoader(Items(items), batch_size=8))
+    with pytest.raises(ValueError, match=rf"batch 3 of the evaluation data: .*{said}"):
+        gk.evaluate(build(), Items(items), batch_size=8, device=CPU)
+
+
+def test_a_collate_failure_whose_items_look_alike_is_left_as_it_was():
+    """Nothing is said where the items show no cause: the collate_fn's own error stands, with fit's note."""
+
+    def collate(items):
+        raise RuntimeError("my collate_fn failed")
+
+    items = [(row, int(label)) for row, label in zip(features(16), classes(16))]
+    with pytest.raises(RuntimeError, match="my collate_fn failed") as raised:
+        train(small_mlp(), DataLoader(Items(items), batch_size=8, collate_fn=collate))
+    assert not isinstance(raised.value, ValueError)
+
+
+class Recurrent(nn.Module):
+    """A GRU over (B, T, 6) float sequences, classifying each by its last state into 4 classes: a second model whose
+    inputs are floats (the GPT's token ids cannot carry a graph)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gru, self.head = nn.GRU(6, 8, batch_first=True), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+GRAPH_KINDS = {"mlp": (small_mlp, lambda: features(32)), "gru": (Recurrent, lambda: features(32 * 5).view(32, 5, 6))}
+
+
+@pytest.mark.parametrize("kind", GRAPH_KINDS)
+def test_batches_that_share_an_autograd_graph_are_told_to_detach_not_to_retain_it(kind):
+    """Batches cut from one tensor computed from a weight that requires grad (x = base * w, once) share its graph: the
+    second batch's backward finds it freed, and torch advises retain_graph=True, which is wrong here."""
+    build, make = GRAPH_KINDS[kind]
+    weight = torch.ones(6, requires_grad=True)
+    inputs, target = make() * weight, classes(32)
+    with torch.no_grad():
+        detached = make() * weight
+    assert len(train(build(), [(detached[i : i + 8], target[i : i + 8]) for i in range(0, 32, 8)]).steps) == 4
+    with pytest.raises(ValueError, match=r"batch 2 of epoch 1 .*carries an autograd graph.*Do not pass retain_graph"):
+        train(build(), [(inputs[i : i + 8], target[i : i + 8]) for i in range(0, 32, 8)])
+    with pytest.raises(ValueError, match=r"detach the inputs \(x\.detach\(\)\), or build them under torch\.no_grad"):
+        train(build(), [(inputs[i : i + 8], target[i : i + 8]) for i in range(0, 32, 8)])

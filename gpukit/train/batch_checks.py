@@ -4,7 +4,9 @@ check_host_targets   on a GPU, each batch's integer class targets read on the ho
                      range would end the process in a device-side assert;
 failed_batch_cause   when a training step fails: the cause read from the batch's data (a target out of
                      range, a batch of one sample under BatchNorm, ids beyond the embedding table that looked
-                     them up), or None;
+                     them up, inputs that carry an autograd graph an earlier backward freed), or None;
+failed_read_cause    when reading the next batch fails: a batch on the meta device, or the items a DataLoader could
+                     not put together (None, another shape), read again and named with their dataset index;
 check_finite_inputs  after a non-finite loss: NaN or inf in the batch in hand, or no target of it scored
                      (all ignored), is a problem in the data;
 earlier_problem      after a non-finite loss or weights whose last batch shows no cause: the epoch read again
@@ -16,8 +18,10 @@ warn_if_scalars_ignored  at the first step: scalar tensors the model returns bes
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -210,9 +214,94 @@ def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str 
                 "from one value per channel in training. Leave such batches out: pass drop_last=True to the "
                 "DataLoader, or choose a batch_size that leaves no last batch of one."
             )
+    if isinstance(error, RuntimeError) and "backward through the graph a second time" in str(error):
+        return _inputs_with_a_graph(batch)
     if isinstance(error, (IndexError, RuntimeError)):
         return _ids_beyond_table(error, model)
     return None
+
+
+def _inputs_with_a_graph(batch: Batch) -> str | None:
+    """Batch tensors computed from tensors that require grad (a grad_fn), where a backward failed for a graph freed
+    before: batches cut from one tensor computed once (x = base * w) share its graph, which the first batch's backward
+    freed. torch's advice, retain_graph=True, would backpropagate into the data at every step."""
+    carrying = [t for t in batch.tensors() if t.grad_fn is not None]
+    if not carrying:
+        return None  # (a graph the model keeps across steps: a recurrent state not detached)
+    return (
+        f"its data carries an autograd graph ({len(carrying)} of its tensors have a grad_fn, e.g. "
+        f"{tuple(carrying[0].shape)} from {type(carrying[0].grad_fn).__name__}: computed from tensors that require "
+        "grad), which it shares with an earlier batch whose backward freed it. Do not pass retain_graph=True, which "
+        "would backpropagate into the data at every step: detach the inputs (x.detach()), or build them under "
+        "torch.no_grad()."
+    )
+
+
+def failed_read_cause(error: Exception) -> str | None:
+    """Why reading the next batch failed, where its data tells (fit and evaluate put the batch's number in front);
+    None for a failure elsewhere (training on a batch: failed_batch_cause) or where the data shows no cause.
+
+    A batch on the meta device is move_batch's BatchError. A DataLoader (without workers) whose collate_fn failed
+    leaves the batch's dataset indices in its iterator's frame (`_next_data`'s `index`, in the error's traceback):
+    those items are read again (dataset[i], only now: no step pays for it) and those of another form than the
+    others' (None, another shape) named. Items that all look alike, or indices that cannot be known (workers), add
+    nothing."""
+    called = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    if isinstance(error, BatchError) and called is not None and called.tb_frame.f_code.co_name == "batch_on_device":
+        return str(error)
+    reading = _loader_frame(error)
+    if reading is None:
+        return None
+    indices, dataset = reading
+    try:
+        items = [dataset[index] for index in indices]
+    except Exception:  # the diagnosis only: the error it would explain is raised either way
+        return None
+    forms = [_form(item) for item in items]
+    usual, count = Counter(forms).most_common(1)[0]  # (a tie: the form seen first)
+    odd = [(index, form) for index, form in zip(indices, forms) if form != usual]
+    if not odd or 2 * count <= len(forms):  # no form most items share: none to call the odd one
+        return None
+    named = "; ".join(f"dataset[{index}] returned {form}" for index, form in odd[:3])
+    return (
+        f"the DataLoader could not put its {len(items)} items together ({type(error).__name__} in its collate_fn): "
+        f"{named}{' (and more)' * (len(odd) > 3)}, where its other {count} items are {usual}. Fix the dataset's "
+        "__getitem__ so that every item has one form, or give the DataLoader a collate_fn that pads items to one "
+        "shape (or leaves out None)."
+    )
+
+
+def _loader_frame(error: Exception) -> tuple[list[int], object] | None:
+    """(the batch's dataset indices, the dataset) from the frame of a single-process DataLoader iterator's
+    `_next_data` in `error`'s traceback, or None."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame = traceback.tb_frame
+        found, iterator = frame.f_locals, frame.f_locals.get("self")
+        if frame.f_code.co_name == "_next_data" and type(iterator).__name__ == "_SingleProcessDataLoaderIter":
+            indices, dataset = found.get("index"), getattr(iterator, "_dataset", None)
+            try:
+                return [operator.index(i) for i in indices], dataset
+            except TypeError:  # no batch of indices (an IterableDataset's, or batch_size=None)
+                return None
+        traceback = traceback.tb_next
+    return None
+
+
+def _form(item) -> str:
+    """An item's form, what default_collate needs alike in every item: None, shapes, keys, lengths ("(a tensor of
+    shape (4,), a number)"); numbers alike, dtypes not said (collate promotes them)."""
+    if item is None:
+        return "None"
+    if isinstance(item, torch.Tensor) or hasattr(item, "shape") and hasattr(item, "dtype"):
+        return f"a tensor of shape {tuple(item.shape)}" if item.shape else "a number"
+    if isinstance(item, (int, float, complex)):
+        return "a number"
+    if isinstance(item, (tuple, list)):
+        return f"({', '.join(_form(part) for part in item)})"
+    if isinstance(item, Mapping):
+        return "{" + ", ".join(f"{key!r}: {_form(value)}" for key, value in item.items()) + "}"
+    return f"a {type(item).__name__}"
 
 
 def _is_batch_norm(module: nn.Module) -> bool:

@@ -11,7 +11,7 @@ from .. import distributed
 from ..data import DeviceLoader, ShardLoader, TextLoader
 from ..data.loaders import loader_for
 from ..data.prefetching import prefetch
-from ..step import Batch, split_batch, to_device
+from ..step import Batch, BatchError, split_batch, to_device
 from ..validation import check_int
 
 DEVICE_LOADERS = (DeviceLoader, TextLoader)  # loaders that keep the whole dataset on the device
@@ -111,12 +111,29 @@ def exact_device(device: torch.device) -> torch.device:
 def move_batch(batch: Batch, device: torch.device, channels_last: bool) -> Batch:
     """A batch already split (split_batch) on `device`, its 4-D floating-point tensors channels_last if asked."""
     if not _on_device(batch, exact_device(device)):
-        batch = to_device(batch, device)
+        try:
+            batch = to_device(batch, device)
+        except Exception as error:  # (the failure path only: no step pays for the look at its tensors)
+            _refuse_meta(batch, error)
+            raise
     if channels_last:
         batch = batch.map(
             lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 and t.is_floating_point() else t
         )
     return batch
+
+
+def _refuse_meta(batch: Batch, error: Exception) -> None:
+    """A batch with tensors on the meta device (shapes without values: "Cannot copy out of meta tensor") said as
+    such, with what to pass instead; fit and evaluate put its number in front."""
+    meta = [tensor for tensor in batch.tensors() if tensor.is_meta]
+    if meta:
+        raise BatchError(
+            f"it holds {len(meta)} tensor(s) on the meta device (shapes without values, e.g. {tuple(meta[0].shape)} "
+            f"{str(meta[0].dtype).removeprefix('torch.')}), which cannot be trained on or evaluated. Give real tensors "
+            "(torch.zeros_like(tensor, device='cpu') keeps the shape); to predict memory from shapes alone, pass the "
+            "meta batch to gk.memory.estimate instead."
+        ) from error
 
 
 def _on_device(batch: Batch, device: torch.device) -> bool:

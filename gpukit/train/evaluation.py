@@ -15,6 +15,7 @@ from ..data.loaders import worker_crashes_explained
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..step import Batch, BatchError, Loss, split_batch, training_mode
+from .batch_checks import failed_read_cause
 from .checks import NonFiniteInputError, batch_problem, describe, is_class_tensor
 from .data import as_loader, move_batch
 from .tally import Tally, callers_stacklevel, check_metrics, check_shifted_labels, predictions_can_wait
@@ -91,19 +92,26 @@ def evaluate(
         loader = itertools.islice(loader, distributed.rank(), None, distributed.world_size())
     tally, unscored = Tally(device, loss, metrics, predictions_can_wait(model, device), shifted_labels), 0
     with training_mode(model, False), worker_crashes_explained():  # a DataLoader worker that died: what to do
-        for number, raw in enumerate(loader, 1):
-            batch = split_batch(raw)
-            if _scores_nothing(batch, loss.ignore_index):  # read before the copy where the target is on the host
-                unscored += 1
-                continue  # its mean loss would be 0/0 = NaN: no loss, token, sample or metric of it is added
-            batch = move_batch(batch, device, channels_last)  # split once, above
-            try:
-                with precision.autocast():
-                    outputs = batch.call(model)
-                    value, parts = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
-            except BatchError as error:  # a target out of range: say which batch
-                raise BatchError(f"batch {number} of the evaluation data: {error}") from error
-            tally.add(batch, value, outputs, parts)
+        number = 0
+        try:
+            for number, raw in enumerate(loader, 1):
+                batch = split_batch(raw)
+                if _scores_nothing(batch, loss.ignore_index):  # read before the copy where the target is on the host
+                    unscored += 1
+                    continue  # its mean loss would be 0/0 = NaN: no loss, token, sample or metric of it is added
+                try:
+                    batch = move_batch(batch, device, channels_last)  # split once, above
+                    with precision.autocast():
+                        outputs = batch.call(model)
+                        value, parts = loss.of_evaluation(outputs, batch.target)  # None for a detector's detections
+                except BatchError as error:  # a target out of range, a meta batch: say which batch
+                    raise BatchError(f"batch {number} of the evaluation data: {error}") from error
+                tally.add(batch, value, outputs, parts)
+        except Exception as error:  # reading batch number + 1 failed: what its items show
+            cause = failed_read_cause(error)
+            if cause is None:
+                raise
+            raise BatchError(f"batch {number + 1} of the evaluation data: {cause}") from error
     if split:
         tally.over_ranks()
     if tally.samples == 0 and unscored:
@@ -152,11 +160,14 @@ def _explain_non_finite(value: float, data, batch_size, device, channels_last: b
 
 def _scores_nothing(batch: Batch, ignore_index: int) -> bool:
     """Whether the batch holds no sample, or integer targets all equal to `ignore_index` (-100: padding). Read on
-    the host for a host tensor; a target already on a GPU costs one synchronisation per batch."""
+    the host for a host tensor; a target already on a GPU costs one synchronisation per batch. A target on the meta
+    device has no values to read: move_batch refuses it, with its batch's number."""
     if batch.size == 0:
         return True
     target = batch.target
-    return is_class_tensor(target) and target.numel() > 0 and bool((target == ignore_index).all())
+    if not is_class_tensor(target) or target.is_meta or not target.numel():
+        return False
+    return bool((target == ignore_index).all())
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -31,7 +31,7 @@ from torch import nn
 from .. import distributed, preemption
 from ..precision import Precision
 from ..step import Batch, BatchError
-from .batch_checks import failed_batch_cause, warn_if_scalars_ignored
+from .batch_checks import failed_batch_cause, failed_read_cause, warn_if_scalars_ignored
 from .buffers import kept_buffers, put_back
 from .checks import describe, explained_model_failure
 from .data import batch_on_device, exact_device
@@ -177,21 +177,27 @@ def _train_epoch(run: Run, epoch: int) -> tuple[Tally, float]:
     epoch_batches, micro, tally, window = run.begin_epoch(epoch)  # (after a resume, what the save had trained)
     batch = None  # a resumed epoch saved at its end (a kill during its evaluation) reads no batch
     device, accumulate = exact_device(run.device), run.accumulate  # looked up once, not per batch
-    for raw in epoch_batches:
-        if run.steps_per_epoch is not None and micro == run.steps_per_epoch * accumulate:
-            break  # leftover micro-batches would leave gradients behind for the next step
-        batch = batch_on_device(raw, device, run.channels_last)
-        last = (micro + 1) % accumulate == 0  # the micro-batch whose backward ends an optimizer step
-        _train_on(run, batch, micro + 1, epoch, last, tally, window)
-        micro += 1
-        if last:
-            _optimizer_step(run, window, epoch, batch)
-            if run.done():
-                break  # the last step is saved with its epoch's row, by _end_epoch
-            if run.stop_agreed or run.stop.asked and run.alone:
-                run.save_and_stop(epoch, micro, tally, window)  # SIGTERM: saved after this step, then stopped
-            if run.save_every and run.step_index % run.save_every == 0:
-                run.save(epoch, micro, tally, window)
+    try:
+        for raw in epoch_batches:
+            if run.steps_per_epoch is not None and micro == run.steps_per_epoch * accumulate:
+                break  # leftover micro-batches would leave gradients behind for the next step
+            batch = batch_on_device(raw, device, run.channels_last)
+            last = (micro + 1) % accumulate == 0  # the micro-batch whose backward ends an optimizer step
+            _train_on(run, batch, micro + 1, epoch, last, tally, window)
+            micro += 1
+            if last:
+                _optimizer_step(run, window, epoch, batch)
+                if run.done():
+                    break  # the last step is saved with its epoch's row, by _end_epoch
+                if run.stop_agreed or run.stop.asked and run.alone:
+                    run.save_and_stop(epoch, micro, tally, window)  # SIGTERM: saved after this step, then stopped
+                if run.save_every and run.step_index % run.save_every == 0:
+                    run.save(epoch, micro, tally, window)
+    except Exception as error:  # reading a batch failed (the loader, the copy): what its data shows, with its number
+        cause = failed_read_cause(error)
+        if cause is None:
+            raise
+        raise BatchError(f"batch {micro + 1} of epoch {epoch + 1}: {cause}") from error
     run.end_pass(epoch, micro)  # an incomplete last step's gradients dropped; an epoch without batches refused
     if window.steps:
         write_row(run, window, epoch, batch)

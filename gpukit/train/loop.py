@@ -111,15 +111,12 @@ def fit(
     device, precision: where to train (default: this process's device in a distributed job, else the best here);
         "fp32", "tf32", "bf16-mixed", "fp16-mixed" (with dynamic loss scaling) or a Precision.
     transforms: a gk.ModelTransforms: channels_last, compile, activation checkpointing, offloading, FP8; undone after.
-    seed: torch's generators (dropout) and the order of a loader fit builds, seeded with seed + rank once every check
-        has passed; not the model's initial weights, nor a loader of yours. None leaves the generators alone, so that
-        each call draws anew (gpukit.train.setup says more).
+    seed: torch's generators (dropout) and the order of a loader fit builds, seeded with seed + rank after every
+        check; not the model's initial weights, nor a loader of yours; None leaves the generators alone (setup.py).
     saving: a folder (or a gk.Saving: how often, in a thread) the run is saved in; a later call with it resumes where
-        the last save was, bit-equal to a run never stopped. A SIGTERM while it trains (a scheduler preempting the job,
-        launch or torchrun stopping their workers) is a request: the optimizer step in progress ends, the run is saved
-        there (in a distributed job every rank at the next History row: the ranks agree there), and fit raises
-        gk.preemption.Preempted, a KeyboardInterrupt whose note says which save resumes the run; a second SIGTERM
-        stops it at once.
+        the last save was, bit-equal to a run never stopped. A SIGTERM (a scheduler preempting the job) ends the step
+        in progress, saves the run there on every rank and raises gk.preemption.Preempted, naming the save (a second
+        SIGTERM stops at once).
     progress, log_every: a progress bar; a History row every log_every optimizer steps (one synchronisation each).
     reporting: a gk.Reporting: live curves, TensorBoard scalars, the GPU's energy and clocks.
     The flat keywords from before the groups still work: channels_last, compile, activation_checkpointing,

@@ -92,15 +92,8 @@ def start_run(
     # Every check passed: now building.
     options = ModelOptions(model, device, transforms, fp8_config)
     parallel = distributed.prepare(model)  # DDP in a distributed job, else the model itself
-    step = TrainStep(
-        options.forward(parallel),
-        built,
-        precision,
-        loss,
-        parameters=model.parameters(),
-        accumulate=accumulate,
-        clip=clip,
-    )  # the model compiled and offloading, if asked
+    forward = options.forward(parallel)  # the model compiled and offloading, if asked
+    step = TrainStep(forward, built, precision, loss, parameters=model.parameters(), accumulate=accumulate, clip=clip)
     run = Run(
         model=model,
         device=device,

@@ -782,3 +782,31 @@ def test_batches_that_share_an_autograd_graph_are_told_to_detach_not_to_retain_i
         train(build(), [(inputs[i : i + 8], target[i : i + 8]) for i in range(0, 32, 8)])
     with pytest.raises(ValueError, match=r"detach the inputs \(x\.detach\(\)\), or build them under torch\.no_grad"):
         train(build(), [(inputs[i : i + 8], target[i : i + 8]) for i in range(0, 32, 8)])
+
+
+def tiny_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
+
+
+FLOAT_KINDS = {  # models whose inputs are floating point: a dtype that changes mid-run
+    "mlp": (small_mlp, lambda seed: (features(8, seed), classes(8, seed))),
+    "cnn": (
+        tiny_cnn,
+        lambda seed: (torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(seed)), classes(8)),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", FLOAT_KINDS)
+def test_inputs_that_turn_float64_after_the_first_batch_are_named_with_both_dtypes(kind):
+    """The dtype check covers the first batch; batch 3 in float64 gave the kernel's "must have the same dtype"."""
+    build, batch = FLOAT_KINDS[kind]
+    good = [batch(seed) for seed in range(3)]
+    assert len(train(build(), good).steps) == 3  # the same batches in float32 train
+    changed = [*good[:2], (good[2][0].double(), good[2][1])]
+    with pytest.raises(ValueError, match=r"batch 3 of epoch 1 .*changed dtype after the first batch") as raised:
+        train(build(), changed)
+    message = str(raised.value)
+    assert "inputs are float64 but the model's weights are float32" in message, message
+    assert "inputs.to(torch.float32)" in message, message

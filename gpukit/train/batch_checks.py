@@ -29,7 +29,7 @@ from torch import nn
 from .. import distributed
 from ..data.loaders import worker_crashes_explained
 from ..step import Batch, BatchError, Loss, describe_value, named_outputs, split_batch, unpack_outputs
-from .checks import FirstCallError, NonFiniteInputError, batch_problem, describe, is_class_tensor
+from .checks import FirstCallError, NonFiniteInputError, batch_problem, describe, dtype_mismatch, is_class_tensor
 from .data import batch_on_device, exact_device
 from .saved_state import (
     global_generators,
@@ -216,6 +216,8 @@ def failed_batch_cause(error: Exception, model: nn.Module, batch: Batch) -> str 
             )
     if isinstance(error, RuntimeError) and "backward through the graph a second time" in str(error):
         return _inputs_with_a_graph(batch)
+    if isinstance(error, RuntimeError) and (mismatch := dtype_mismatch(model, batch)):  # the first batch's agreed
+        return f"its inputs changed dtype after the first batch, which fit checked.{mismatch}"
     if isinstance(error, (IndexError, RuntimeError)):
         return _ids_beyond_table(error, model)
     return None

@@ -608,8 +608,10 @@ def test_a_persistent_loader_worker_killed_in_epoch_2_says_what_to_do_and_the_sa
     def loader(kill: bool) -> DataLoader:
         return DataLoader(KilledInEpoch2(kill), batch_size=4, num_workers=1, persistent_workers=True)
 
+    # torch raises RuntimeError ("exited unexpectedly"), or ConnectionResetError where the worker dies as it sends a
+    # batch through the pipe (2 runs in 8 at load 4.6): both get the note
     with pytest.warns(UserWarning, match="persistent_workers=True"):  # (a resume replays it only in part: said)
-        with pytest.raises(RuntimeError) as failed:
+        with pytest.raises((RuntimeError, ConnectionResetError)) as failed:
             train(small_mlp(), loader(kill=True), epochs=3, checkpoint_dir=tmp_path)
     note = " ".join(getattr(failed.value, "__notes__", []))
     assert "A DataLoader worker process died" in note and "killed by SIGKILL" in note, (failed.value, note)

@@ -74,6 +74,11 @@ def _raise_preempted(signum, frame) -> None:
     raise Preempted("stopped by SIGTERM (how a scheduler preempts a job, and how a launcher stops its workers)")
 
 
+def _parent_is_gone() -> bool:
+    """Whether the parent end_with_parent watches in this process has died (no wait: see _parent_ended)."""
+    return _parent is not None and _watcher == os.getpid() and os.getppid() != _parent
+
+
 def _parent_ended(parent: int) -> bool:
     """Whether `parent` has died, given a moment: the kernel sends the parent-death signal when the *thread* that
     started this process exits, and a process killed outright loses its other threads a few milliseconds later (until
@@ -136,7 +141,9 @@ def sigterm_requests_a_stop() -> Iterator[StopRequest]:
     request = StopRequest()
 
     def ask(signum, frame) -> None:
-        if request.asked and not _parent_gone:  # (the watching thread's SIGTERM repeats the kernel's: not a second)
+        # Once the parent end_with_parent watches has died, a SIGTERM is news of that death (the kernel's, the
+        # watching thread's repeat), never a second request: the watcher's grace ends a process that does not stop.
+        if request.asked and not _parent_gone and not _parent_is_gone():
             raise Preempted("stopped by a second SIGTERM before the loop reached a point where it could save")
         request.asked = True
 

@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as error:
         said = " ".join(getattr(error, "__notes__", [])) or "it was stopped before training started"
         resume = " Run the same command again to resume." if getattr(args, "checkpoint_dir", None) else ""
-        print(f"gpukit: {_one_line(error)}: {_one_line(said)}{resume}", file=sys.stderr)
+        sys.stderr.write(f"gpukit: {_one_line(error)}: {_one_line(said)}{resume}\n")  # one write: workers share stderr
         return EXIT_PREEMPTED
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as error:
         print(f"gpukit: error: {_one_line(error)}", file=sys.stderr)

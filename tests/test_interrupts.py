@@ -7,6 +7,7 @@ bit-equal to a run never interrupted: weights, optimizer state and History rows.
 
 In-process on the CPU: each point is a counter at a place the loop passes through, raising at its n-th call."""
 
+import os
 import signal
 from collections import Counter
 from contextlib import nullcontext
@@ -342,6 +343,13 @@ def test_a_loop_that_saves_before_it_stops_hears_the_first_sigterm_as_a_request(
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(gk.preemption, "_parent_gone", True)  # end_with_parent's thread repeats the kernel's SIGTERM
             signal.raise_signal(signal.SIGTERM)  # the same news, not a second request: no Preempted
+        assert request.asked
+    with gk.preemption.sigterm_requests_a_stop() as request:
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.MonkeyPatch.context() as patch:  # the parent watched has died, its thread not yet noticed it
+            patch.setattr(gk.preemption, "_parent", os.getppid() + 10**7)
+            patch.setattr(gk.preemption, "_watcher", os.getpid())
+            signal.raise_signal(signal.SIGTERM)  # news of that death (the kernel's and a repeat): no Preempted
         assert request.asked
     assert signal.getsignal(signal.SIGTERM) == before
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

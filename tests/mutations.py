@@ -425,6 +425,19 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         for lesson in ("01", "02")
         for kind in KINDS
     },
+    # Lessons 03, 06b, 09 and 10 read gk.detect()'s bf16 only to choose a GPU's 16-bit format (fp16 on a GPU without
+    # bf16, a T4) and hold their claims in whichever format ran; on a CPU they train fp32 whatever it says (03's bf16
+    # fix is a GPU claim, 09's fast_precision is fp32 on a CPU, 10's FP8 runs need a GPU). Lesson 06 never reads it.
+    # Inverse run of 2026-11-29 (tiny, load 2): these five were the only survivors of the "down" direction.
+    **{
+        (lesson, "detect_no_bf16", kind): Known(
+            "the lesson reads gk.detect()'s bf16 only to pick a GPU's 16-bit format and holds its claims in the one "
+            "that ran; on a CPU it trains fp32 whatever it says",
+            "any machine: lesson 00, cell 6 (gk.detect()'s bf16 against PyTorch's own answer)",
+        )
+        for lesson in ("03", "06", "06b", "09", "10")
+        for kind in KINDS
+    },
 }
 
 

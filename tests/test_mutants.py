@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -20,6 +21,8 @@ from torch import nn
 import gpukit as gk
 from tests import mutants
 from tests.mutations import KINDS, KNOWN_SURVIVORS, MUTANTS, RECORD, CallLog, Calls, Known, apply, family, undo
+
+LESSON_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @pytest.fixture
@@ -230,7 +233,8 @@ def test_detect_mutants(name, says, applied):
 
 def test_every_known_survivor_names_a_mutant_and_where_it_is_killed():
     for (lesson, name, kind), known in KNOWN_SURVIVORS.items():
-        assert name in MUTANTS and kind in KINDS and len(lesson) == 2, (lesson, name, kind)
+        assert name in MUTANTS and kind in KINDS and re.fullmatch(r"\d\d[a-z]?", lesson), (lesson, name, kind)
+        assert list(LESSON_DIR.glob(lesson + "_*.ipynb")), f"no lesson {lesson}"
         assert known.why and "cell" in known.killed_by, (lesson, name, kind)
         machine = known.killed_by.split(":")[0]
         assert "any machine" in machine or "cpu" in machine or "cuda" in machine, known.killed_by

@@ -27,6 +27,7 @@ from .deprecation import renamed
 from .env import PROFILES, Env, Profile, detect, resolve_device, seed_everything
 from .precision import PRECISIONS, Precision, get_precision
 from .report import Table, format_bytes
+from .step.builtin_losses import CrossEntropy
 from .train import (
     CheckpointError,
     History,
@@ -46,6 +47,7 @@ __all__ = [
     "PROFILES",
     "CheckFailed",
     "CheckpointError",
+    "CrossEntropy",
     "Env",
     "History",
     "ModelTransforms",

@@ -349,7 +349,7 @@ def make_schedule(
     """Warm-up then one-cycle (cosine) decay, linear decay to zero, or constant.
 
     The peak is each parameter group's learning rate. `warmup` is a fraction of all steps (< 1)
-    or a number of steps (>= 1; fit takes those as warmup_steps). The one-cycle schedule is torch's OneCycleLR, with the learning
+    or a number of steps (>= 1; fit takes those as an int warmup). The one-cycle schedule is torch's OneCycleLR, with the learning
     rate only (momentum is left as set). `total_steps=None` (an unknown length) is allowed only
     for the constant schedule with warm-up given in steps.
     """

@@ -9,6 +9,7 @@ trains as that code did.
 
 import dataclasses
 import inspect
+import math
 import os
 import re
 import warnings
@@ -21,7 +22,7 @@ from torch import nn
 import gpukit as gk
 from gpukit import fp8
 from gpukit.train import loop
-from gpukit.train.options import OLD_KEYWORDS, as_group
+from gpukit.train.options import OLD_KEYWORDS, RENAMED, as_group
 from tests.helpers import tiny_gpt, tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # exact comparisons of tiny runs; no timing
@@ -267,11 +268,10 @@ def docstring_arguments(function) -> list[str]:
     return names
 
 
-def test_fit_keeps_24_options_under_headings_and_a_docstring_on_one_screen_that_follows_them():
+def test_fit_keeps_24_parameters_under_headings_and_a_docstring_on_one_screen_that_follows_them():
     parameters = list(inspect.signature(gk.fit).parameters)
-    assert parameters[:2] == ["model", "train_data"]
+    assert parameters[:2] == ["model", "train_data"] and len(parameters) <= 24, parameters
     options = parameters[2:]
-    assert len(options) <= 24, options
     source = inspect.getsource(inspect.unwrap(gk.fit))
     headings = re.findall(
         r"^    # (How much|How it learns|What is measured|Where and how reproducibly|What you see)",
@@ -282,7 +282,7 @@ def test_fit_keeps_24_options_under_headings_and_a_docstring_on_one_screen_that_
     assert len(inspect.getdoc(gk.fit).splitlines()) <= 42
     documented = docstring_arguments(gk.fit)
     assert documented == ["train_data", *options], documented  # every argument, in the signature's order
-    old = set(OLD_KEYWORDS) - set(options)
+    old = (set(OLD_KEYWORDS) | set(RENAMED)) - set(options)
     assert all(name in inspect.getdoc(gk.fit) for name in old)  # the old keywords are said to still work
 
 
@@ -363,6 +363,11 @@ try:  # killed at micro-batch 10 (step 4 of epoch 2): last.pt holds the save at 
            loss_fn=crashing_loss(10), **OPTIONS)
 except Crash:
     pass
+torch.manual_seed(103)  # the two keywords folded into other options: label smoothing, a warm-up in steps
+model = dropout_cnn()
+history = gk.fit(model, shuffled_images(), checkpoint_dir=folder + "/smoothed", label_smoothing=0.1, warmup_steps=2,
+                 schedule="linear", eval_data=shuffled_images(), **OPTIONS)
+torch.save({{"state": model.state_dict(), "steps": history.steps, "epochs": history.epochs}}, folder + "/smoothed.pt")
 """
 
 
@@ -429,3 +434,118 @@ def test_todays_fit_trains_as_the_code_before_the_groups_did(old_runs, tmp_path)
     assert old.keys() == new.keys()
     for key in ("epoch", "step", "position", "plan", "settings", "model", "optimizer", "scheduler", "precision"):
         assert_equal(old[key], new[key], key)
+
+
+def test_the_folded_keywords_train_and_save_as_the_code_before_them(old_runs, tmp_path):
+    """label_smoothing=0.1 and warmup_steps=2 to the code before, and loss_fn=gk.CrossEntropy(0.1), warmup=2 today:
+    the same weights, rows (eval_loss unsmoothed) and checkpoint settings, under the same keys."""
+    from gpukit.train.checkpoint import read_checkpoint
+
+    old = torch.load(old_runs / "smoothed.pt", weights_only=False)
+    torch.manual_seed(103)
+    model = dropout_cnn()
+    history = gk.fit(
+        model,
+        shuffled_images(),
+        saving=tmp_path,
+        loss_fn=gk.CrossEntropy(0.1),
+        warmup=2,
+        schedule="linear",
+        eval_data=shuffled_images(),
+        **OPTIONS,
+    )
+    for name, value in old["state"].items():
+        assert torch.equal(value, model.state_dict()[name]), name
+    assert untimed(history.steps) == untimed(old["steps"]) and untimed(history.epochs) == untimed(old["epochs"])
+    saved = read_checkpoint(old_runs / "smoothed" / "last.pt")["settings"]
+    assert read_checkpoint(tmp_path / "last.pt")["settings"] == saved
+    assert saved["label_smoothing"] == 0.1 and saved["warmup"] == 2
+    # The old run goes on today under the new spelling (its settings match); another smoothing is refused, named.
+    more = dict(OPTIONS, epochs=3)
+    with pytest.raises(gk.CheckpointError, match=r"changes label_smoothing \(0.1 → 0.2\)"):
+        gk.fit(
+            dropout_cnn(),
+            shuffled_images(),
+            saving=old_runs / "smoothed",
+            loss_fn=gk.CrossEntropy(0.2),
+            warmup=2,
+            schedule="linear",
+            **more,
+        )
+    extended = gk.fit(
+        dropout_cnn(),
+        shuffled_images(),
+        saving=old_runs / "smoothed",
+        loss_fn=gk.CrossEntropy(0.1),
+        warmup=2,
+        schedule="linear",
+        **more,
+    )
+    assert [row["epoch"] for row in extended.epochs] == [1, 2, 3]
+
+
+FOLDED = {  # each keyword folded into another option: (model, data, the old spelling, the new)
+    "warmup_steps": (small_cnn, image_batches, {"warmup_steps": 2}, {"warmup": 2}),
+    "warmup_steps of a GPT": (
+        tiny_gpt,
+        token_batches,
+        {"warmup_steps": 3, "schedule": "linear"},
+        {"warmup": 3, "schedule": "linear"},
+    ),
+    "label_smoothing": (small_cnn, image_batches, {"label_smoothing": 0.1}, {"loss_fn": lambda: gk.CrossEntropy(0.1)}),
+    "label_smoothing of a GPT": (
+        tiny_gpt,
+        token_batches,
+        {"label_smoothing": 0.2, "loss_fn": "cross_entropy"},
+        {"loss_fn": lambda: gk.CrossEntropy(label_smoothing=0.2)},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FOLDED)
+def test_each_folded_keyword_gives_the_run_of_its_new_spelling_to_the_bit(case, tmp_path, monkeypatch):
+    make_model, make_data, old, new = FOLDED[case]
+    held_out = {"eval_data": make_data()}
+    old_history, old_state, _, old_said = run(make_model, make_data, {**old, **held_out}, tmp_path / "old", monkeypatch)
+    new_history, new_state, _, new_said = run(make_model, make_data, {**new, **held_out}, tmp_path / "new", monkeypatch)
+    assert untimed(old_history.steps) == untimed(new_history.steps) and old_history.steps
+    assert untimed(old_history.epochs) == untimed(new_history.epochs) and "eval_loss" in old_history.epochs[0]
+    assert all(torch.equal(old_state[k], new_state[k]) for k in old_state) and old_said == new_said == []
+    # ... and not the run without it: the keyword did something.
+    plain, *_ = run(make_model, make_data, held_out, tmp_path / "plain", monkeypatch)
+    assert untimed(plain.steps) != untimed(new_history.steps)
+
+
+def test_label_smoothing_is_for_training_only():
+    """gk.CrossEntropy smooths the training loss, never the held-out one: measured against F.cross_entropy's own."""
+    from gpukit.step import Loss
+
+    generator = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(16, 5, generator=generator), torch.randint(0, 5, (16,), generator=generator)
+    smoothed = nn.functional.cross_entropy(logits, target, label_smoothing=0.3)
+    plain = nn.functional.cross_entropy(logits, target)
+    assert not torch.isclose(smoothed, plain)
+    assert torch.equal(Loss(gk.CrossEntropy(0.3))(logits, target), smoothed)
+    assert torch.equal(Loss(gk.CrossEntropy(0.3), evaluation=True)(logits, target), plain)
+    assert torch.equal(gk.CrossEntropy(0.3)(logits, target), smoothed)  # called alone: a loss of its own
+    with pytest.raises(TypeError, match=r"label_smoothing must be a number in \[0, 1\), got '0.1'"):
+        gk.CrossEntropy("0.1")
+
+
+@pytest.mark.parametrize(
+    "options, error, words",
+    [
+        ({"warmup_steps": 2, "warmup": 0.1}, TypeError, r"warmup_steps and warmup name the same option"),
+        ({"warmup_steps": -1}, ValueError, r"warmup_steps must be an integer >= 0, got -1"),
+        ({"warmup": -2}, ValueError, r"warmup must be an integer >= 0 \(an int is a number of optimizer steps\)"),
+        ({"label_smoothing": 1.5}, ValueError, r"label_smoothing must lie in \[0, 1\), got 1.5"),
+        ({"label_smoothing": math.nan}, ValueError, r"label_smoothing must lie in \[0, 1\), got nan"),
+        ({"label_smoothing": 0.1, "loss_fn": "mse"}, ValueError, r"label_smoothing applies to the built-in cross-ent"),
+        ({"label_smoothing": 0.1, "loss_fn": gk.CrossEntropy(0.1)}, ValueError, r"label_smoothing applies to the bu"),
+        ({"loss_fn": gk.CrossEntropy}, TypeError, r"loss_fn=CrossEntropy is a class, not a loss: pass an instance"),
+        ({"loss_fn": nn.MSELoss}, TypeError, r"loss_fn=MSELoss is a class, not a loss: pass an instance, e.g. MSE"),
+    ],
+)
+def test_a_wrong_folded_keyword_is_refused_before_any_work_naming_it(options, error, words):
+    with pytest.raises(error, match=words):
+        gk.fit(nn.Linear(2, 2), Untouchable(), device="cpu", **options)

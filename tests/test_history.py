@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -650,3 +651,37 @@ def test_every_groups_lr_is_saved_loaded_exported_and_logged(tmp_path):
     plt.close(figure)
     plt.close(history.plot())
     assert len(table) == 2
+
+
+class SlowFirstItem(TensorDataset):
+    """Held-out data whose first item takes `pause` seconds to read: fit reads it in its setup's checks."""
+
+    def __init__(self, pause: float, *tensors):
+        super().__init__(*tensors)
+        self.pause, self.read = pause, False
+
+    def __getitem__(self, index):
+        if not self.read:
+            self.read = True
+            time.sleep(self.pause)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_history_seconds_is_the_whole_call_by_a_hand_clock(kind):
+    """History.seconds holds fit's checks and building too (where torch.compile's import and wrapping cost seconds):
+    its setup reading eval_data's slow first item counts, and the whole is within the hand clock around the call."""
+    generator = torch.Generator().manual_seed(0)
+    if kind == "mlp":
+        model, inputs = small_mlp(), torch.randn(64, 6, generator=generator)
+        data = TensorDataset(inputs, torch.randint(0, 4, (64,), generator=generator))
+        held_out = SlowFirstItem(0.4, inputs[:16], torch.randint(0, 4, (16,), generator=generator))
+    else:
+        model, ids = tiny_gpt(), torch.randint(0, 64, (32, 17), generator=generator)
+        data = TensorDataset(ids[:, :-1], ids[:, 1:])
+        held_out = SlowFirstItem(0.4, ids[:8, :-1], ids[:8, 1:])
+    started = time.perf_counter()
+    history = gk.fit(model, data, eval_data=held_out, batch_size=16, progress=False, device="cpu")
+    by_hand = time.perf_counter() - started
+    assert held_out.read and 0.4 <= history.seconds <= by_hand, (history.seconds, by_hand)
+    assert history.seconds >= 0.9 * by_hand - 0.05, (history.seconds, by_hand)  # the wrappers around it cost little

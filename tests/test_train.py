@@ -913,16 +913,16 @@ def test_image_dataset_subset_keeps_normalisation(small_data):
 
 @pytest.mark.parametrize("kind", ["cnn", "gpt"])
 def test_the_old_knobs_warn_and_train_as_their_new_names(kind, small_data, corpus, device):
-    """optimizer='sgd' was Nesterov momentum and warmup >= 1 was steps: both still train exactly as
-    optimizer='nesterov' and warmup_steps=N, with a DeprecationWarning that names the new spelling."""
+    """optimizer='sgd' was Nesterov momentum and a float warmup >= 1 was steps: both still train exactly as
+    optimizer='nesterov' and warmup=N (an int; warmup_steps=N alike), with a DeprecationWarning naming the new one."""
     data, make = (small_data[0], lambda: mlp()) if kind == "cnn" else (corpus[0], lambda: tiny_gpt())
     common = dict(batch_size=64, max_steps=4, lr=0.02, schedule="linear", progress=False, device=device)
     new_model, old_model = make(), make()
     new = gk.fit(new_model, data, optimizer="nesterov", warmup_steps=2, **common)
     with pytest.warns(DeprecationWarning) as caught:
-        old = gk.fit(old_model, data, optimizer="sgd", warmup=2, **common)
+        old = gk.fit(old_model, data, optimizer="sgd", warmup=2.0, **common)
     said = " ".join(str(warning.message) for warning in caught)
-    assert "optimizer='nesterov'" in said and "warmup_steps=2" in said
+    assert "optimizer='nesterov'" in said and "pass warmup=2, an int" in said
     assert [row["lr"] for row in old.steps] == [row["lr"] for row in new.steps]
     for a, b in zip(new_model.parameters(), old_model.parameters()):
         assert torch.equal(a, b)

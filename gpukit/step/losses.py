@@ -30,7 +30,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import builtin_losses
 from .batches import IGNORE_INDEX, Batch, BatchError
+from .builtin_losses import (
+    CrossEntropy,
+    _check_classification,
+    _check_same_shape,
+    _cross_entropy,
+    as_class_indices,
+    mean_squared_error,
+)
 from .outputs import (
     _describe,
     _is_scalar,
@@ -44,68 +53,6 @@ from .outputs import (
 )
 
 LOSSES = ("cross_entropy", "mse")
-
-
-def cross_entropy(prediction: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy over scored targets, classes in the last dimension of `prediction`.
-
-    (B, C) with (B,), (B, T, V) with (B, T); also PyTorch's own layout with classes in dimension 1
-    ((B, C, H, W) with (B, H, W)). Targets equal to IGNORE_INDEX (-100) are not scored.
-    """
-    _check_classification(prediction, target)
-    return _cross_entropy(prediction, as_class_indices(target), label_smoothing)
-
-
-def _cross_entropy(prediction: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """cross_entropy of checked int64 targets. (B, T, V) with (B, T) as (B·T, V) with (B·T,); (B, C) as it is: a
-    reshape of a tensor that needs gradients is a view in the graph too, 10 µs a step for nothing (same bits)."""
-    if prediction.dim() != 2 and prediction.shape[:-1] == target.shape:
-        prediction, target = prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1)
-    return F.cross_entropy(prediction, target, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
-
-
-def as_class_indices(target: torch.Tensor) -> torch.Tensor:
-    """Integer class targets as int64, which cross-entropy and gather take: int32, int16, int8 and uint8 labels (a
-    NumPy array's, a uint8 mask's) are converted, one small copy; int64 ones are returned as they are."""
-    return target if target.dtype == torch.int64 else target.long()
-
-
-def mean_squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error; prediction and target must have the same shape (no broadcasting)."""
-    if not target.is_floating_point():
-        raise ValueError(f"loss_fn='mse' needs a floating-point target, got {target.dtype}; convert it with .float().")
-    _check_same_shape(prediction, target, "mse")
-    return F.mse_loss(prediction, target)
-
-
-def _check_classification(prediction: torch.Tensor, target: torch.Tensor) -> None:
-    if target.is_floating_point():
-        raise ValueError(
-            f"cross-entropy needs integer class targets, got {target.dtype}; for regression pass loss_fn='mse' "
-            "(or your own function)."
-        )
-    if target.dtype == torch.bool or target.is_complex():
-        raise ValueError(
-            f"cross-entropy needs integer class targets, got {target.dtype}; for two classes convert them with "
-            "target.long() (the model then needs 2 outputs), or pass loss_fn=F.binary_cross_entropy_with_logits "
-            "with target.float() and one output."
-        )
-    if class_dimension(prediction, target) is None:
-        raise ValueError(
-            f"cross-entropy cannot match outputs of shape {tuple(prediction.shape)} with targets of shape "
-            f"{tuple(target.shape)}: expected the outputs to be the targets' shape plus a class dimension at the "
-            "end, e.g. (B, C) for (B,) or (B, T, V) for (B, T). If the outputs are no class scores, pass loss_fn= "
-            "('mse', or your function of (outputs, target))."
-        )
-
-
-def _check_same_shape(prediction: torch.Tensor, target: torch.Tensor, name: str) -> None:
-    if prediction.shape != target.shape:
-        raise ValueError(
-            f"{name}: outputs of shape {tuple(prediction.shape)} and targets of shape {tuple(target.shape)} would only "
-            "broadcast, which silently computes the wrong loss; make them the same shape (e.g. outputs.squeeze(-1) "
-            "or target.unsqueeze(-1))."
-        )
 
 
 def _not_a_scalar(value) -> str:
@@ -122,6 +69,7 @@ def _takes_a_tensor(loss_fn) -> bool:
     return isinstance(loss_fn, nn.modules.loss._Loss) or getattr(loss_fn, "__module__", None) in (
         "torch.nn.functional",
         __name__,
+        builtin_losses.__name__,
     )
 
 
@@ -145,12 +93,10 @@ class Loss:
     outputs)` says whether accuracy means something for a pass over the data (see the module docstring).
     """
 
-    def __init__(
-        self, loss_fn: str | Callable | None = None, label_smoothing: float = 0.0, *, check_targets: bool = True
-    ):
-        if not 0 <= label_smoothing < 1:
-            raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing!r}.")
-        self.label_smoothing = label_smoothing
+    def __init__(self, loss_fn: str | Callable | None = None, *, evaluation: bool = False, check_targets: bool = True):
+        # A CrossEntropy(label_smoothing) smooths in training only: held-out data is scored without it (evaluation).
+        smoothing = loss_fn.label_smoothing if isinstance(loss_fn, CrossEntropy) else 0.0
+        self.label_smoothing = 0.0 if evaluation else smoothing
         self.ignore_index = IGNORE_INDEX
         # Class targets are checked against the number of outputs once, on the first batch (one
         # synchronisation): on a GPU an out-of-range target is a device-side assert that ends the process.
@@ -158,13 +104,22 @@ class Loss:
         self.diagnoses = check_targets  # read the targets when the loss fails (not on the meta device or fake ones)
         self.classes: int | None = None  # the prediction's classes, once the first batch's targets were checked
         self.takes_outputs = False
-        if loss_fn is None or loss_fn == "cross_entropy" or loss_fn is F.cross_entropy:
+        if (
+            loss_fn is None
+            or isinstance(loss_fn, CrossEntropy)
+            or loss_fn == "cross_entropy"
+            or loss_fn is F.cross_entropy
+        ):
             self.name, self.fn, self.explicit = "cross_entropy", None, loss_fn is not None
         elif loss_fn == "mse":
             self.name, self.fn, self.explicit = "mse", mean_squared_error, True
         elif isinstance(loss_fn, str):
             raise ValueError(
                 f"loss_fn={loss_fn!r} is unknown; use one of {', '.join(map(repr, LOSSES))} or a function."
+            )
+        elif isinstance(loss_fn, type):  # nn.CrossEntropyLoss, gk.CrossEntropy: a class, not yet a loss
+            raise TypeError(
+                f"loss_fn={loss_fn.__name__} is a class, not a loss: pass an instance, e.g. {loss_fn.__name__}()."
             )
         elif callable(loss_fn):
             self.name, self.fn, self.explicit = getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn, True
@@ -173,11 +128,6 @@ class Loss:
                 self.name, self.ignore_index = "cross_entropy", loss_fn.ignore_index
         else:
             raise TypeError(f"loss_fn must be a function, 'cross_entropy' or 'mse', got {type(loss_fn).__name__}.")
-        if label_smoothing and (self.name != "cross_entropy" or self.fn is not None):
-            raise ValueError(
-                "label_smoothing applies to the built-in cross-entropy (loss_fn=None or 'cross_entropy'); build it "
-                "into your own loss_fn instead, e.g. nn.CrossEntropyLoss(label_smoothing=0.1)."
-            )
         self.elementwise = loss_fn in _ELEMENTWISE_FUNCTIONS or isinstance(loss_fn, _ELEMENTWISE_MODULES)
 
     def __repr__(self) -> str:

@@ -214,7 +214,7 @@ def _evaluate_one(model: nn.Module, batch: Batch, device, precision: Precision, 
                 "dtypes of the training data's."
             ) from error
         try:
-            loss = Loss(loss_fn)  # its own: the training loss checks its targets' range on its own first batch
+            loss = Loss(loss_fn, evaluation=True)  # its own (unsmoothed): the training loss checks its targets itself
             with precision.autocast():
                 value, parts = loss.of_evaluation(outputs, batch.target)
             Tally(device, loss, metrics, shifted_labels=False).add(batch, value, outputs, parts)  # no tokens read

@@ -53,7 +53,8 @@ def evaluate(
     channels_last: 4-D floating-point batches in the channels_last memory layout, as fit's
         gk.ModelTransforms(channels_last=True) trains them (the model's weights are left as they are).
     loss_fn: your function of (outputs, target), "cross_entropy", "mse", a PyTorch loss or a gk.step.Loss (default:
-        the model's own loss, else cross-entropy for integer targets), as in fit.
+        the model's own loss, else cross-entropy for integer targets), as in fit; a gk.CrossEntropy scores without
+        its label smoothing, as fit's eval_loss.
     metrics: {name: fn(outputs, target) -> a number, or a dict of numbers (an entry "<name>_<key>" each)} per batch,
         averaged over samples.
     over_ranks: in a distributed job, every rank takes every world_size-th batch and the sums are
@@ -81,7 +82,7 @@ def evaluate(
         raise TypeError(f"expected a torch.nn.Module to evaluate, got {type(model).__name__}.")
     device = resolve_device(device) if device is not None else _model_device(model)
     precision = get_precision(precision, device)
-    loss = loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
+    loss = loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn, evaluation=True)  # CrossEntropy: no smoothing
     metrics = check_metrics(metrics)
     check_shifted_labels(shifted_labels)
     if isinstance(data, torch.utils.data.Dataset) is False:

@@ -60,7 +60,7 @@ class History:
     sample_name: str = "sample"
     shifted_labels: bool | None = None  # token sequences: tokens counted from labels[:, 1:] (a causal LM's own loss)
     skipped_steps: int = 0  # fp16 steps skipped by the loss scaler
-    seconds: float = 0.0  # wall time of the whole fit, evaluation included
+    seconds: float = 0.0  # wall time of the whole fit call (every call of a resumed run): checks, building, evaluation
     environment: dict = field(default_factory=dict)
     monitor: list[dict] = field(default_factory=list)  # fit(monitor=True): GPU samples (see gk.hardware.Monitor)
 

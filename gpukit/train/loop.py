@@ -60,11 +60,9 @@ def fit(
     lr: float | None = None,
     weight_decay: float = 5e-4,
     schedule: str = "onecycle",
-    warmup: float = 0.2,  # a fraction of the steps
-    warmup_steps: int | None = None,
+    warmup: float | int = 0.2,  # a fraction of the steps (a float below 1), or a number of steps (an int)
     clip: float | None = None,
     loss_fn: str | Callable | None = None,
-    label_smoothing: float = 0.0,
     # What is measured: held-out data after every epoch, your metrics, how tokens are counted
     eval_data=None,
     metrics: dict[str, Callable] | None = None,
@@ -97,12 +95,12 @@ def fit(
         built keeps its own lrs unless you pass one; weight_decay applies to optimizers built by name. What must
         follow each optimizer step (an EMA teacher's update) is torch's optimizer.register_step_post_hook(fn); keep
         the teacher in the model, which fit saves and resumes.
-    schedule, warmup, warmup_steps: "onecycle", "linear" or "constant", counted in optimizer steps; the lr warms up
-        over a fraction `warmup` of the steps, or over `warmup_steps` steps (data without len() has only steps).
+    schedule, warmup: "onecycle", "linear" or "constant", counted in optimizer steps; the lr warms up over a fraction
+        of the steps (warmup=0.2, a float below 1) or over a number of them (warmup=100, an int: data without len()).
     clip: a bound on the gradients' global norm, or None.
-    loss_fn, label_smoothing: your function of (outputs, target), which gets the outputs exactly as the model returned
-        them, or "cross_entropy", "mse" or a PyTorch loss, which get the prediction (default: the model's own `loss`,
-        else cross-entropy for integer targets: gpukit.step.losses); smoothing for cross-entropy in training only.
+    loss_fn: your function of (outputs, target), which gets the outputs exactly as the model returned them, or
+        "cross_entropy", "mse", a PyTorch loss or gk.CrossEntropy(label_smoothing=0.1) (smoothing in training only),
+        which get the prediction (default: the model's own `loss`, else cross-entropy for integer targets).
     eval_data, metrics: held-out data evaluated after every epoch; {name: fn(outputs, target) -> number}, averaged over
         samples as the columns train_<name> and eval_<name>. Accuracy is added where it means something. eval_data's
         first batch, the loss and the metrics are tried before the first step (gpukit.train.checks).
@@ -119,9 +117,9 @@ def fit(
         SIGTERM stops at once).
     progress, log_every: a progress bar; a History row every log_every optimizer steps (one synchronisation each).
     reporting: a gk.Reporting: live curves, TensorBoard scalars, the GPU's energy and clocks.
-    The flat keywords from before the groups still work: channels_last, compile, activation_checkpointing,
+    The keywords from before the groups still work: channels_last, compile, activation_checkpointing,
     offload_activations and fp8 (transforms); checkpoint_dir, save_every, save_in_background (saving); live_plot,
-    log_dir and monitor (reporting).
+    log_dir and monitor (reporting); warmup_steps=N (warmup=N) and label_smoothing (gk.CrossEntropy).
     """
     run = start_run(**locals())  # every check first, then the run built, resumed and reporting
     try:

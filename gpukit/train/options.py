@@ -7,7 +7,8 @@
 
 `grouped` is the one place where what you pass becomes these objects: None is a group that is off, a folder path
 is Saving(folder), and fit's flat keywords from before the groups (channels_last=True, checkpoint_dir="runs/a",
-monitor=True, ...: OLD_KEYWORDS) still work, each folded into its group.
+monitor=True, ...: OLD_KEYWORDS) still work, each folded into its group; so do two folded into another option
+(RENAMED): warmup_steps=N is warmup=N (an int: steps), label_smoothing=0.1 is loss_fn=gk.CrossEntropy(0.1).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import wraps
 
+from torch.nn import functional as F
+
 from ..compiling import COMPILE_MODES
 from ..hardware.monitor import Monitor
 from ..memory.activation_checkpointing import check_policy
+from ..step.builtin_losses import CrossEntropy
 from ..validation import check_int
 from .tensorboard_log import check_log_dir
 
@@ -144,6 +148,30 @@ OLD_KEYWORDS = {  # fit's flat keywords from before the groups: (group, field)
 }
 
 
+RENAMED = {"warmup_steps": "warmup", "label_smoothing": "loss_fn"}  # fit's keywords folded into another option
+
+
+def folded(options: dict) -> dict:
+    """fit's keyword arguments with warmup_steps=N as warmup=N and label_smoothing=x as loss_fn=gk.CrossEntropy(x): the
+    same run, to the bit (the checkpoint's settings keep their keys)."""
+    options = dict(options)
+    if options.get("warmup_steps") is not None:
+        if "warmup" in options:
+            raise TypeError("warmup_steps and warmup name the same option: pass warmup=N only (an int: N steps).")
+        options["warmup"] = check_int("warmup_steps", options["warmup_steps"], minimum=0)
+    options.pop("warmup_steps", None)
+    smoothing, loss_fn = options.pop("label_smoothing", 0.0), options.get("loss_fn")
+    if smoothing != 0.0:  # (NaN too: CrossEntropy refuses it)
+        if loss_fn is not None and loss_fn != "cross_entropy" and loss_fn is not F.cross_entropy:
+            raise ValueError(
+                "label_smoothing applies to the built-in cross-entropy (loss_fn=None or 'cross_entropy'); build it "
+                "into your own loss_fn instead, e.g. nn.CrossEntropyLoss(label_smoothing=0.1), or pass "
+                "loss_fn=gk.CrossEntropy(label_smoothing=0.1)."
+            )
+        options["loss_fn"] = CrossEntropy(smoothing)
+    return options
+
+
 def as_group(name: str, value):
     """The option group `name` of fit ("transforms", "saving" or "reporting") as its object: None is the group off,
     a folder path is Saving(folder)."""
@@ -159,8 +187,9 @@ def as_group(name: str, value):
 
 
 def grouped(options: dict) -> dict:
-    """fit's keyword arguments with each group as its object (`as_group`), and the old flat keywords folded into it."""
-    options = dict(options)
+    """fit's keyword arguments with each group as its object (`as_group`), and the old flat keywords folded into it
+    (and into their options: `folded`)."""
+    options = folded(options)
     moved = {name: options.pop(name) for name in OLD_KEYWORDS if name in options}
     for group in GROUPS:
         fields = {OLD_KEYWORDS[name][1]: value for name, value in moved.items() if OLD_KEYWORDS[name][0] == group}

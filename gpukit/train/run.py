@@ -99,7 +99,7 @@ class Run:
     epoch_begun: tuple[int, int] = (0, 0)  # (optimizer steps, micro-batches of the epoch read) as the epoch began
     initial: dict | None = None  # with a checkpoint_dir, until its first save: the state fit began from, on the host
     options: ModelOptions | None = None  # the model transforms, undone when fit ends
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # fit's call (setup's checks and compile wrapper too)
 
     @property
     def accumulate(self) -> int:

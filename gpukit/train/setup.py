@@ -11,7 +11,9 @@ torch's generator seeded: a call refused by any check has drawn nothing from it.
 
 from __future__ import annotations
 
+import numbers
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -52,10 +54,8 @@ def start_run(
     weight_decay,
     schedule,
     warmup,
-    warmup_steps,
     clip,
     loss_fn,
-    label_smoothing,
     eval_data,
     metrics,
     shifted_labels,
@@ -70,10 +70,11 @@ def start_run(
 ) -> Run:
     """fit's arguments checked, then the run built and begun; a failure after the model's transforms leaves the model
     as it came (Run.finish)."""
+    started = time.perf_counter()  # History.seconds: the whole call, its checks and building too
     saving, reporting = _absolute(saving, "folder"), _absolute(reporting, "log_dir")
     _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_steps, shifted_labels)
     order_seed = _order_seed(seed)
-    warmup = _warmup(warmup, warmup_steps)
+    warmup = _warmup(warmup)
     device = resolve_device(device if device is not None else distributed.default_device())
     precision = get_precision(precision, device)  # raises before any work if unsupported here
     fp8_config = float8.training_config(transforms.fp8, device)  # raises before any work without torchao or FP8 cores
@@ -81,7 +82,7 @@ def start_run(
     check_arguments(model, seed=seed, checkpoint_dir=saving.folder, optimizer=optimizer)
     if distributed.is_main():  # the one rank that writes TensorBoard's files
         check_log_folder(reporting.log_dir)
-    loss, metrics = Loss(loss_fn, label_smoothing), check_metrics(metrics)
+    loss, metrics = Loss(loss_fn), check_metrics(metrics)
     channels_last = transforms.channels_last
     loader = _training_loader(train_data, batch_size, device, epochs, channels_last, order_seed)
     steps_per_epoch, total_steps = _count_steps(loader, accumulate, epochs, max_steps, schedule, warmup)
@@ -111,14 +112,15 @@ def start_run(
         channels_last=channels_last,
         eval_data=eval_data,
         micro_batch_size=getattr(loader, "batch_size", None),
-        eval_loss=Loss(loss_fn) if label_smoothing else loss,  # held-out loss without smoothing
+        eval_loss=Loss(loss_fn, evaluation=True) if loss.label_smoothing else loss,  # held-out: no smoothing
         hold_predictions=options.predictions_can_wait,
         shifted_labels=shifted_labels,
         history=History(precision=precision.name, device=str(device), environment=run_environment(device)),
         options=options,
         alone=distributed.world_size() == 1,
+        started=started,
     )
-    settings = _settings(run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config)
+    settings = _settings(run, optimizer, schedule, warmup, clip, seed, fp8_config)
     del loader, built, parallel, step  # the run holds them: an out-of-memory error releases the run whole
     try:
         run.begin(saving, settings, partial(make_schedule, schedule=schedule, warmup=warmup), reporting, progress, seed)
@@ -154,7 +156,7 @@ def _order_seed(seed: int | None) -> int:
     return check_seed(seed)  # the kit's one rule: NumPy's integers too, 0..2**32 - 1
 
 
-def _settings(run: Run, optimizer, schedule, warmup, clip, label_smoothing, seed, fp8_config) -> dict:
+def _settings(run: Run, optimizer, schedule, warmup, clip, seed, fp8_config) -> dict:
     """The hyper-parameters saved with each checkpoint: resuming with others is refused (the Checkpointer), except
     lr, schedule and warmup when a finished run is extended. `optimizer`: as fit was given it."""
     settings = {
@@ -164,7 +166,7 @@ def _settings(run: Run, optimizer, schedule, warmup, clip, label_smoothing, seed
         "warmup": warmup,
         "clip": clip,
         "precision": run.precision.name,
-        "label_smoothing": label_smoothing,
+        "label_smoothing": run.loss.label_smoothing,  # (the key of checkpoints from before gk.CrossEntropy)
         "seed": seed,
     }
     if fp8_config is not None:  # a setting only when on: runs saved before fit had fp8 resume as they were
@@ -188,15 +190,15 @@ def _check_arguments(epochs, accumulate, clip, lr, log_every, schedule, max_step
         raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}.")
 
 
-def _warmup(warmup, warmup_steps) -> float:
-    """What the schedule warms up over: a fraction of the steps (< 1), or a number of steps (>= 1)."""
-    if warmup_steps is not None:
-        return check_int("warmup_steps", warmup_steps, minimum=0)
-    check_number("warmup", warmup, positive=False, note="(a fraction of the steps; warmup_steps=N for steps)")
+def _warmup(warmup: float | int) -> float | int:
+    """What the schedule warms up over: a fraction of the steps (a float below 1), or a number of steps (an int)."""
+    if isinstance(warmup, numbers.Integral) and not isinstance(warmup, bool):
+        return check_int("warmup", int(warmup), minimum=0, note="(an int is a number of optimizer steps)")
+    check_number("warmup", warmup, positive=False, note="(a fraction of the steps below 1, or an int number of steps)")
     if warmup >= 1:
         warnings.warn(
-            f"warmup={warmup!r} as a number of steps is deprecated: pass warmup_steps={int(warmup)} "
-            "(warmup is the fraction of the steps, below 1).",
+            f"warmup={warmup!r} as a number of steps is deprecated: pass warmup={int(warmup)}, an int (a float is "
+            "the fraction of the steps, below 1).",
             DeprecationWarning,
             stacklevel=callers_stacklevel(),  # the line of yours that called fit
         )

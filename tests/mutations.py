@@ -438,6 +438,18 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         for lesson in ("03", "06", "06b", "09", "10")
         for kind in KINDS
     },
+    # Lessons 04, 05, 07 and 08 (inverse run of 2026-11-29, tiny, load 1.2-5.5): 05 and 08 never read gk.detect()'s bf16;
+    # 04 reads it only with several GPUs (its bf16 gradient compression); 07 skips, aloud, its bf16-mixed memory check
+    # where gk.detect() says there is no bf16 (cell 18), as a GPU without bf16 must.
+    **{
+        (lesson, "detect_no_bf16", kind): Known(
+            "the lesson never reads gk.detect()'s bf16 (05, 08), reads it only with several GPUs (04), or skips its "
+            "bf16-mixed check aloud without it (07)",
+            "any machine: lesson 00, cell 6 (gk.detect()'s bf16 against PyTorch's own answer)",
+        )
+        for lesson in ("04", "05", "07", "08")
+        for kind in KINDS
+    },
 }
 
 

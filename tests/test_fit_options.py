@@ -460,27 +460,16 @@ def test_the_folded_keywords_train_and_save_as_the_code_before_them(old_runs, tm
     saved = read_checkpoint(old_runs / "smoothed" / "last.pt")["settings"]
     assert read_checkpoint(tmp_path / "last.pt")["settings"] == saved
     assert saved["label_smoothing"] == 0.1 and saved["warmup"] == 2
+
     # The old run goes on today under the new spelling (its settings match); another smoothing is refused, named.
-    more = dict(OPTIONS, epochs=3)
+    def go_on(smoothing):  # the old folder, one epoch more, in the new spelling
+        more = dict(OPTIONS, epochs=3, warmup=2, schedule="linear")
+        folder = old_runs / "smoothed"
+        return gk.fit(dropout_cnn(), shuffled_images(), saving=folder, loss_fn=gk.CrossEntropy(smoothing), **more)
+
     with pytest.raises(gk.CheckpointError, match=r"changes label_smoothing \(0.1 → 0.2\)"):
-        gk.fit(
-            dropout_cnn(),
-            shuffled_images(),
-            saving=old_runs / "smoothed",
-            loss_fn=gk.CrossEntropy(0.2),
-            warmup=2,
-            schedule="linear",
-            **more,
-        )
-    extended = gk.fit(
-        dropout_cnn(),
-        shuffled_images(),
-        saving=old_runs / "smoothed",
-        loss_fn=gk.CrossEntropy(0.1),
-        warmup=2,
-        schedule="linear",
-        **more,
-    )
+        go_on(0.2)
+    extended = go_on(0.1)
     assert [row["epoch"] for row in extended.epochs] == [1, 2, 3]
 
 

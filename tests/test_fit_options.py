@@ -469,7 +469,8 @@ def test_the_folded_keywords_train_and_save_as_the_code_before_them(old_runs, tm
 
     with pytest.raises(gk.CheckpointError, match=r"changes label_smoothing \(0.1 → 0.2\)"):
         go_on(0.2)
-    extended = go_on(0.1)
+    with pytest.warns(UserWarning, match="going on from the finished run"):
+        extended = go_on(0.1)
     assert [row["epoch"] for row in extended.epochs] == [1, 2, 3]
 
 

@@ -373,27 +373,6 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         )
         for mutant in _both("compare_first")
     },
-    # A timer wrong everywhere: on a CPU plan's line and the step it predicts are both timed by it (cell 15's error is
-    # a ratio), and so are the steps and the peak of the MFU (a ratio too); nothing else is checked there. On a GPU
-    # with NVML cell 26 compares the monitor's samples per block (a 10 Hz thread, the wall clock) with the block's
-    # gk.bench time / 0.1 s + 1, within 0.7-1.3x: x2 halves that ratio, x0.5 raises it ~1.6x (not run on a GPU yet).
-    **{
-        ("07", mutant, "cpu"): Known(
-            "on a CPU lesson 07 reads gk.bench's times only as ratios",
-            "cuda with NVML: lesson 07, cell 26 (the monitor's samples per block against gk.bench's block time); "
-            + BY_HAND_ANYWHERE,
-        )
-        for mutant in _both("timeit", "timing_median")
-    },
-    # plan times its three batch sizes interleaved (compare: 1/8, 3/4, all, 1/8, ...) after one timeit of the peak,
-    # so every second call falls on each of the three in turn: their medians move alike, and so do the line's
-    # prediction and the measured step.
-    **{
-        ("07", mutant, "cpu"): Known(
-            "every second call falls on each calibration step alike: the line moves whole", BY_HAND_ANYWHERE
-        )
-        for mutant in _both("timeit_second")
-    },
     # Lesson 04 bounds the no_sync step (gk.bench.compare's first contender) from above on any machine (cell 38: not
     # above the synchronised step beyond three standard errors), and from below only with several GPUs: there skipping
     # the all-reduce saves at most its cost and a fifth of the step. On a shared CPU a synchronised step also waits for

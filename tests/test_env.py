@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import random
 import sys
@@ -382,3 +383,25 @@ def test_the_chosen_threads_are_not_slower_than_torchs_default_beside_a_busy_pro
         torch.set_num_threads(default)
         busy.kill()
     assert statistics.median(times[chosen]) <= 1.3 * statistics.median(times[default]), times
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+@pytest.mark.parametrize(
+    ("own", "root", "expected"),
+    [
+        ("50000 100000", None, 1),  # this process's own cgroup (a systemd unit, a nested container): half a CPU
+        (None, "50000 100000", 1),  # no file at its own path: the root's (a container with its own namespace)
+        ("max 100000", "50000 100000", None),  # its own file says no cap; the root's is not its own
+        ("150000 100000", None, 2),  # 1.5 CPUs round up to 2 (rounded down, 1 would fail on two CPUs)
+        (None, None, None),  # no cgroup v2 at all (a v1 or hybrid host): the affinity alone
+    ],
+)
+def test_usable_cpus_caps_by_this_process_cgroup_quota(tmp_path, own, root, expected):
+    affinity = len(os.sched_getaffinity(0))
+    proc = tmp_path / "cgroup"
+    proc.write_text("1:cpu:/\n0::/system.slice/lesson.service\n")
+    for text, folder in ((own, tmp_path / "system.slice" / "lesson.service"), (root, tmp_path)):
+        if text is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "cpu.max").write_text(text + "\n")
+    assert env.usable_cpus(cgroup_root=tmp_path, proc_cgroup=proc) == min(affinity, expected or affinity)

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on: its CPU affinity, capped by a container's CPU quota (cgroup v2)."""
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """CPUs this process may run on: its CPU affinity, capped by its cgroup v2 CPU quota (a container's, a systemd
+    unit's), read from `cpu.max` in this process's own cgroup (the "0::" line of `proc_cgroup`), else the root's."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        with open("/sys/fs/cgroup/cpu.max") as file:
-            quota, period = file.read().split()[:2]  # "max 100000" (no limit) or "200000 100000" (2 CPUs)
-        if quota != "max":
-            count = min(count, max(1, -(-int(quota) // int(period))))  # round up: 1.5 CPUs → 2 threads
-    except (OSError, ValueError):
-        pass  # not Linux, no cgroup v2, or no quota
+        own = re.search(r"^0::(.*)$", proc_cgroup.read_text(), re.MULTILINE)
+    except OSError:
+        own = None  # not Linux
+    candidates = [cgroup_root / own[1].strip("/") / "cpu.max"] if own else []
+    for file in [*candidates, cgroup_root / "cpu.max"]:
+        try:
+            quota, period = file.read_text().split()[:2]  # "max 100000" (no limit) or "200000 100000" (2 CPUs)
+            cap = count if quota == "max" else max(1, -(-int(quota) // int(period)))  # round up: 1.5 CPUs → 2
+        except (OSError, ValueError):
+            continue  # no such file (no cgroup v2 here, or the root cgroup, which has none) or not a quota
+        return min(count, cap)
     return count
 
 

@@ -53,6 +53,7 @@ def predict(slow: list[int | None], world_size: int, compute: float, delay: floa
 def _worker(variants: dict[str, tuple[list, int]], compute: float, delay: float) -> dict[str, float]:
     worker = setup(backend="gloo")  # CPU processes: the waiting, not the device, is measured
     parameters = torch.zeros(1024)  # what the all-reduce averages: gradients, or local SGD's parameters
+    dist.all_reduce(parameters)  # warm-up: gloo's first all-reduce sets up its pairs (~0.4 s measured under load)
     seconds = {}
     for name, (slow, sync_every) in variants.items():
         dist.barrier()

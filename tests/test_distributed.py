@@ -254,6 +254,22 @@ def test_count_collectives_sees_ddps_all_reduces_and_python_ones(world_of_one):
     assert sent.calls("allreduce") == 4
 
 
+def test_ddp_variants_count_what_each_variant_all_reduces(world_of_one):
+    torch.manual_seed(0)
+    variants = {"fp32": {}, "fp16": {"compression": "fp16"}, "skip": {"no_sync": True}}
+    rows = {
+        row["variant"]: row
+        for row in scaling.ddp_variants(lambda: nn.Sequential(nn.Flatten(), nn.Linear(3072, 10)), 4, variants, steps=2)
+    }
+    gradient = (3072 * 10 + 10) * 4  # float32 weight and bias, on 32×32 RGB images
+    assert {name: row["allreduced_bytes"] for name, row in rows.items()} == {
+        "fp32": gradient,
+        "fp16": gradient // 2,
+        "skip": 0,
+    }
+    assert all(row["wire_bytes"] == 0 for row in rows.values())  # one rank: the ring's 2(n-1)/n is 0
+
+
 def test_cleanup_leaves_the_group(world_of_one):
     distributed.cleanup()
     assert not torch.distributed.is_initialized() and distributed.default_device() is None

@@ -27,6 +27,7 @@ from ..env import detect
 from ..precision import get_precision
 from ..step import TrainStep
 from . import parallel
+from .collectives import count_collectives
 from .pipeline import TwoStagePipeline
 
 
@@ -216,12 +217,14 @@ def ddp_variants(
     machine's load during the measurement hit all of them alike.
     Rows: variant, step_time (s: the median over repeats of the slowest rank's time), step_time_error (s: that
     median's standard error, from the spread of the repeats, `Timing.median_error`), images_per_second (all ranks),
-    wire_bytes (per rank and step, 2(n−1)/n × the gradient bytes, halved by 16-bit compression, 0 without all-reduce).
+    wire_bytes (per rank and step, 2(n−1)/n × the gradient bytes, halved by 16-bit compression, 0 without all-reduce),
+    allreduced_bytes (the bytes rank 0 handed to all-reduce in one untimed step, counted at torch's dispatcher by
+    `count_collectives`: what wire_bytes's arithmetic should be fed, counted rather than computed).
     """
     device = parallel.default_device() or torch.device("cpu")
     images, labels = _synthetic_batch(batch_size, device)
     count = parallel.world_size()
-    steps_by_name, wire = {}, {}
+    steps_by_name, wire, counted = {}, {}, {}
     for name, options in variants.items():
         options = dict(options)
         skip = options.pop("no_sync", False)
@@ -231,6 +234,9 @@ def ddp_variants(
         wire[name] = 0 if skip else gradient_bytes(model) * 2 * (count - 1) / count
         if options.get("compression"):
             wire[name] /= 2  # 16-bit instead of 32-bit gradients
+        with count_collectives() as sent:  # one step, untimed: the dispatcher's count of what it all-reduces
+            steps_by_name[name]()
+        counted[name] = sent.bytes("allreduce")
     timings = compare(steps_by_name, device=device, warmup=warmup, repeats=steps)  # every rank, same order
     rows = []
     for name, timing in timings.items():
@@ -242,6 +248,7 @@ def ddp_variants(
                 "step_time_error": slowest.median_error,
                 "images_per_second": count * batch_size / slowest.median,
                 "wire_bytes": wire[name],
+                "allreduced_bytes": counted[name],
             }
         )
     return rows

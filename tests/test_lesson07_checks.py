@@ -33,22 +33,29 @@ RANGE_UJ = 2**32  # where the fake counter wraps: 4,295 J, about 3.6 minutes at 
 
 class FakePackage:
     """intel-rapl:0 (a package) with a counter that a thread advances at WATTS, and a sub-zone (its cores) that
-    counts far faster, which must not be counted again. Starts 1 J below the wrap, so that the fits wrap it."""
+    counts far faster, which must not be counted again. `near_wrap()`: the counter 2 J below its wrap from now (0.1 s
+    at WATTS), so that the next fit wraps it."""
 
     def __init__(self, root: Path):
         self.zone, self.cores = root / "intel-rapl:0", root / "intel-rapl:0:0"
         for zone in (self.zone, self.cores):
             zone.mkdir(parents=True)
             (zone / "max_energy_range_uj").write_text(f"{RANGE_UJ}\n")
-        self.start_uj, self.started, self.stop = RANGE_UJ - 1_000_000, time.perf_counter(), threading.Event()
-        self.write()
+        self.stop, self.lock = threading.Event(), threading.Lock()  # the lock: one writer at a time (near_wrap, run)
+        self.near_wrap()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
+    def near_wrap(self) -> None:
+        with self.lock:
+            self.start_uj, self.started = RANGE_UJ - 2_000_000, time.perf_counter()
+        self.write()
+
     def write(self) -> None:
-        microjoules = self.start_uj + round(WATTS * (time.perf_counter() - self.started) * 1e6)
-        for zone, uj in ((self.zone, microjoules), (self.cores, 1000 * microjoules)):
-            (zone / "energy_uj.new").write_text(f"{uj % RANGE_UJ}\n")
-            os.replace(zone / "energy_uj.new", zone / "energy_uj")  # a reader never sees half a number
+        with self.lock:
+            microjoules = self.start_uj + round(WATTS * (time.perf_counter() - self.started) * 1e6)
+            for zone, uj in ((self.zone, microjoules), (self.cores, 1000 * microjoules)):
+                (zone / "energy_uj.new").write_text(f"{uj % RANGE_UJ}\n")
+                os.replace(zone / "energy_uj.new", zone / "energy_uj")  # a reader never sees half a number
 
     def run(self) -> None:
         while not self.stop.wait(0.001):
@@ -61,6 +68,16 @@ class FakePackage:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One CPU thread, as the lesson's kernel has on a loaded 2-core machine: two spinning OpenMP threads beside other
+    load made these fits 30× slower (17 s an epoch against 0.55 s, load 5)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def energy_namespace(device: torch.device) -> dict:
@@ -105,18 +122,21 @@ def run_energy_checks(namespace: dict) -> list[str]:
 def test_the_energy_check_reads_rapl_by_hand_and_fails_a_monitor_off_either_way(tmp_path, monkeypatch):
     monkeypatch.setattr(monitor_module, "RAPL_ROOT", str(tmp_path))
     cpu = torch.device("cpu")
-    with FakePackage(tmp_path):
+    with FakePackage(tmp_path) as package:
         namespace = energy_namespace(cpu)
+        package.near_wrap()  # the counter wraps during the check's own fit: read by hand, and by the monitor
         printed = run_energy_checks(namespace)
         assert len(printed) == 3 and all(line.startswith(("check passed", "skipped")) for line in printed), printed
+        assert namespace["after"][0] < namespace["before"][0]  # the counter wrapped between the hand's reads
         assert "read by hand" in printed[2] and namespace["by_hand"] == pytest.approx(WATTS, rel=0.05)
         assert namespace["by_monitor"] == pytest.approx(WATTS, rel=0.05)
         lap = monitor_module.Monitor.lap
         for factor in (2.0, 0.5, 1000.0, 0.001):  # the lesson's mutants: a unit slip, and 2× either way
             change = _energy_scaled(factor)
             monkeypatch.setattr(monitor_module.Monitor, "lap", lambda self, change=change: change(lap(self), 0))
+            package.near_wrap()
             with pytest.raises(gk.CheckFailed, match="read by hand"):
-                run_energy_checks(energy_namespace(cpu))
+                run_energy_checks(dict(namespace))  # the second fit's monitor is the one made wrong
             monkeypatch.setattr(monitor_module.Monitor, "lap", lap)
 
 

@@ -7,7 +7,9 @@ processes are pinned to the same core with one thread each, so a process alone h
 spinning threads then slow down far more than the sharing explains: 8× measured on a loaded
 2-core machine.) Phases alternate (process 0 alone, process 1 alone, both together) over
 several rounds, so that drift and other load on the machine hit every phase alike; the result
-holds the median throughput of each process in each phase.
+holds the median throughput of each process in each phase, and the median share of the wall clock
+each process was given the CPU (its own CPU seconds over the phase's seconds: the kernel's count,
+apart from the steps counted), which on one core predicts the slowdown.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class ContentionResult:
     threads: int  # CPU threads per process
     rounds: int
     cores: list[int] | None = None  # the CPU cores both processes were pinned to; None on a GPU
+    # Each process's CPU seconds over the phase's wall-clock seconds (median over rounds; 1.0: a core all its own),
+    # alone and shared, as the kernel counted them (time.process_time): on a CPU, a step costs the same CPU time
+    # alone or shared, so the slowdown is the share shared over the share alone.
+    alone_cpu_share: list[float] | None = None
+    shared_cpu_share: list[float] | None = None
 
     @property
     def alone_sum(self) -> float:
@@ -55,6 +62,14 @@ class ContentionResult:
     def slowdown(self) -> list[float]:
         """Each process's throughput shared over alone (1.0: no slowdown)."""
         return [shared / alone for shared, alone in zip(self.shared, self.alone)]
+
+    @property
+    def cpu_share_ratio(self) -> list[float] | None:
+        """Each process's share of the CPU shared over its share alone: what `slowdown` should be where the steps
+        run on the CPU (None where the shares were not measured)."""
+        if self.alone_cpu_share is None or self.shared_cpu_share is None:
+            return None
+        return [shared / alone for shared, alone in zip(self.shared_cpu_share, self.alone_cpu_share)]
 
     def table(self) -> Table:
         rows = [
@@ -103,16 +118,18 @@ def _worker(make_model, make_batch, steps, rounds, threads, cores, device_name, 
     for _ in range(2):  # warm-up: allocator, cuDNN autotuning
         step(batch)
     synchronize(device)
-    measured: dict[str, list[float]] = {"alone": [], "shared": []}
+    measured: dict[str, list[float]] = {"alone": [], "shared": [], "alone cpu": [], "shared cpu": []}
     for _ in range(rounds):
         for phase in ("alone 0", "alone 1", "shared"):
             distributed.barrier()  # the waiting process blocks here and uses no CPU
             if phase in ("shared", f"alone {worker.rank}"):
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     step(batch)
                 synchronize(device)
-                measured[phase.split()[0]].append(batch.size * steps / (time.perf_counter() - started))
+                seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+                measured[phase.split()[0]].append(batch.size * steps / seconds)
+                measured[f"{phase.split()[0]} cpu"].append(cpu_seconds / seconds)
     distributed.barrier()
     distributed.cleanup()
     return {name: statistics.median(values) for name, values in measured.items()}
@@ -174,4 +191,6 @@ def measure_contention(
         threads=threads,
         rounds=rounds,
         cores=cores,
+        alone_cpu_share=[result["alone cpu"] for result in results],
+        shared_cpu_share=[result["shared cpu"] for result in results],
     )

@@ -133,6 +133,10 @@ def _energy_scaled(factor: float) -> Callable[[object, int], object]:
     return change
 
 
+def _shared_scaled(factor: float) -> Callable[[object, int], object]:
+    return lambda result, call: dataclasses.replace(result, shared=[rate * factor for rate in result.shared])
+
+
 def _says_bf16(bf16: bool) -> Callable[[object, int], object]:
     return lambda env, call: env if env.bf16 == bf16 else dataclasses.replace(env, bf16=bf16)
 
@@ -231,6 +235,13 @@ MUTANTS = {
             _energy_scaled,
             "Monitor.lap's energy_j {x}, a unit error (so fit(monitor=True)'s energy_j, joules_per_sample and "
             "co2_grams; RAPL's mean power, computed from it)",
+        ),
+        *_pair(
+            "contention_shared",
+            "gpukit.hardware.contention:measure_contention",
+            2.0,
+            _shared_scaled,
+            "gk.hardware.measure_contention: each process's samples/s with the device shared {x}",
         ),
         *[
             Mutant(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpukit as gk
+import gpukit.hardware.contention
 from tests import mutants
 from tests.mutations import KINDS, KNOWN_SURVIVORS, MUTANTS, RECORD, CallLog, Calls, Known, apply, family, undo
 
@@ -116,6 +117,13 @@ def history() -> gk.History:
     return gk.History(steps=steps, sample_name="image")
 
 
+def contention():
+    """gk.hardware.measure_contention with its two workers' results made up (launching them takes seconds)."""
+    made_up = [{"alone": 100.0, "shared": 50.0, "alone cpu": 1.0, "shared cpu": 0.5}] * 2
+    with mock.patch.object(gpukit.hardware.contention, "launch", lambda *args, **kwargs: made_up):
+        return gk.hardware.measure_contention(lambda: None, lambda: None, device="cpu")
+
+
 def plan_row():
     # plan() looks _row up in its module for each GPU: the wrapped one (a whole plan takes ~20 s here).
     planning = gk.hardware.planning
@@ -160,6 +168,7 @@ MEASURES = {
     "allreduce_benchmark": (allreduce_row, lambda row: [row["seconds"], 1 / row["algorithm_GBps"]]),
     "plan_step_time": (plan_row, lambda row: [row.step_time, row.hours, row.cost]),
     "monitor_energy": (rapl_energy, lambda segment: [segment.energy_j]),
+    "contention_shared": (contention, lambda result: result.shared),
 }
 
 

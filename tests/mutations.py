@@ -137,6 +137,21 @@ def _shared_scaled(factor: float) -> Callable[[object, int], object]:
     return lambda result, call: dataclasses.replace(result, shared=[rate * factor for rate in result.shared])
 
 
+def _trace_scaled(factor: float) -> Callable[[object, int], object]:
+    def change(trace, call: int):
+        # Every interval's duration, not its start: the host's waits and steps, the GPU's copies and kernels.
+        rows = {name: [(start, duration * factor) for start, duration in row] for name, row in trace.rows.items()}
+        return dataclasses.replace(trace, rows=rows)
+
+    return change
+
+
+def _diagnosis_rate(rate: str) -> Callable[[float], Callable[[object, int], object]]:
+    return lambda factor: (
+        lambda diagnosis, call: dataclasses.replace(diagnosis, **{rate: _times(getattr(diagnosis, rate), factor)})
+    )
+
+
 def _says_bf16(bf16: bool) -> Callable[[object, int], object]:
     return lambda env, call: env if env.bf16 == bf16 else dataclasses.replace(env, bf16=bf16)
 
@@ -242,6 +257,27 @@ MUTANTS = {
             2.0,
             _shared_scaled,
             "gk.hardware.measure_contention: each process's samples/s with the device shared {x}",
+        ),
+        *_pair(
+            "trace_steps",
+            "gpukit.data.timeline:trace_steps",
+            2.0,
+            _trace_scaled,
+            "gk.data.trace_steps: every interval's duration {x} (the host's waits and steps, the GPU's copies and kernels)",
+        ),
+        *_pair(
+            "diagnose_loader",
+            "gpukit.data.bottleneck:diagnose",
+            2.0,
+            _diagnosis_rate("loader_steps_per_second"),
+            "gk.data.diagnose: the loader alone's steps per second {x}",
+        ),
+        *_pair(
+            "diagnose_step",
+            "gpukit.data.bottleneck:diagnose",
+            2.0,
+            _diagnosis_rate("step_steps_per_second"),
+            "gk.data.diagnose: the training step alone's steps per second {x}",
         ),
         *[
             Mutant(

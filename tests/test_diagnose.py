@@ -111,6 +111,26 @@ def test_token_batches_of_a_language_model(device):
     assert gk.data.diagnose(dict_batches, model_dict, steps=2, warmup=0, device=device).verdict == "compute-bound"
 
 
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_the_loader_alone_is_timed_over_every_batch_it_counts(device, kind):
+    # Each batch takes at least `delay` seconds (a sleep only overruns): the rate can be at most 1 / delay. A clock
+    # started after batch `warmup` was fetched times steps - 1 batches and reads steps / (steps - 1) too fast.
+    delay, steps = 0.05, 3
+    if kind == "cnn":
+        model, batch = small_cnn(), (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    else:
+        model = gk.models.gpt(max_seq_len=16, width=16, depth=1, heads=2)
+        tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+        batch = (tokens[:, :-1], tokens[:, 1:])  # (B, T) inputs and targets
+    loader = _slowly([batch] * 2, delay)
+    rates = {
+        "diagnose": gk.data.diagnose(loader, model, steps=steps, warmup=1, device=device).loader_steps_per_second,
+        "loader_rate": gk.data.bottleneck.loader_rate(loader, batches=steps, device=device),
+    }
+    for name, rate in rates.items():
+        assert 0.5 / delay < rate <= 1 / delay, (name, rate)  # 1.5x 1 / delay before the fix
+
+
 class DictGPT(nn.Module):
     def __init__(self, gpt):
         super().__init__()

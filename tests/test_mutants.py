@@ -10,6 +10,7 @@ import math
 import re
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import nbformat
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import DeviceType
 
 import gpukit as gk
 import gpukit.hardware.contention
@@ -140,6 +142,25 @@ def compared() -> dict:
     return gk.bench.compare({"a": lambda: None, "b": lambda: None}, warmup=0, repeats=2, clock=one_second())
 
 
+def a_trace() -> gk.data.timeline.Trace:
+    # trace_steps with the profiler's events made up: a 2 ms wait at 1 ms and a 5 ms step at 3 ms (host events, µs).
+    events = [
+        SimpleNamespace(name=name, device_type=DeviceType.CPU, time_range=SimpleNamespace(start=start, end=end))
+        for name, start, end in (("data wait", 1000, 3000), ("step", 3000, 8000))
+    ]
+    for event in events:
+        event.time_range.elapsed_us = lambda range=event.time_range: range.end - range.start
+    profiled = SimpleNamespace(events=lambda: events, export_chrome_trace=lambda path: None)
+    with mock.patch.object(gk.data.timeline, "profile", lambda **_: contextlib.nullcontext(profiled)):
+        return gk.data.trace_steps([tiny_batch()] * 3, tiny_model(), steps=1, device="cpu")
+
+
+def a_diagnosis() -> gk.data.Diagnosis:
+    # Every reading of the clock 1 s after the last: the same rates in every run, whatever the load.
+    with mock.patch("time.perf_counter", one_second()):
+        return gk.data.diagnose([tiny_batch()] * 2, tiny_model(), steps=2, warmup=1, device="cpu")
+
+
 PARTS = ("params", "grads", "optimizer_state", "activations", "total")
 # family -> (what to measure, the numbers in it that its mutants scale by their factor). Calls outside the
 # numbers read stay true: tested below for the every-second-call, first-contender and estimate mutants.
@@ -169,6 +190,9 @@ MEASURES = {
     "plan_step_time": (plan_row, lambda row: [row.step_time, row.hours, row.cost]),
     "monitor_energy": (rapl_energy, lambda segment: [segment.energy_j]),
     "contention_shared": (contention, lambda result: result.shared),
+    "trace_steps": (a_trace, lambda trace: [trace.total("data wait"), trace.total("step")]),
+    "diagnose_loader": (a_diagnosis, lambda diagnosis: [diagnosis.loader_steps_per_second]),
+    "diagnose_step": (a_diagnosis, lambda diagnosis: [diagnosis.step_steps_per_second]),
 }
 
 

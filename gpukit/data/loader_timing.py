@@ -92,10 +92,12 @@ def _time_loader(loader: Iterable, device: torch.device, warmup: int, steps: int
     """(seconds for `steps` batches after `warmup` ones, the first batch on the device, whether the loader
     yields batches in host memory)."""
     first, on_host, started = None, False, time.perf_counter()
-    for index, raw in enumerate(_cycle(loader, warmup + steps)):
-        if index == warmup:
+    batches = _cycle(loader, warmup + steps)
+    for index in range(warmup + steps):
+        if index == warmup:  # the clock starts before batch `warmup` is asked for: `steps` batches timed, no fewer
             synchronize(device)
             started = time.perf_counter()
+        raw = next(batches)
         if first is None:
             on_host = any(not tensor.is_cuda for tensor in split_batch(raw).tensors())
         batch = _on_device(raw, device)

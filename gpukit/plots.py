@@ -268,9 +268,9 @@ def plot_lr_find(result, title: str = ""):
     finite = [(lr, loss) for lr, loss in zip(result.lrs, result.losses) if math.isfinite(loss)]
     axis.plot([lr for lr, _ in finite], [loss for _, loss in finite], alpha=0.35, label="loss per step")
     axis.plot(result.lrs, result.smoothed, label="smoothed")
-    axis.axvline(
-        result.best_lr, color="gray", linestyle=":", linewidth=1, label=f"loss starts rising ({result.best_lr:.2g})"
-    )
+    # A sweep that ended before the loss rose marks its end, not a rise it never saw (gk.lr_find's `rose`).
+    edge = "loss starts rising" if getattr(result, "rose", True) else "end of the sweep, no rise seen"
+    axis.axvline(result.best_lr, color="gray", linestyle=":", linewidth=1, label=f"{edge} ({result.best_lr:.2g})")
     axis.axvline(result.suggestion, color="C3", linestyle="--", label=f"suggestion {result.suggestion:.2g}")
     low = min(result.smoothed)
     axis.set_ylim(top=max(low * 3, min(finite[0][1] * 1.5, max(loss for _, loss in finite))))

@@ -13,6 +13,11 @@ The suggestion is the largest lr at which that curve is still at its lowest leve
 over decades (a model that learns little in a short test, such as a ViT), the minimum is wherever
 the noise dipped, often in the first steps, while the end of the flat stretch is where the learning
 rate starts to hurt.
+
+A sweep that ends before the loss rises (end_lr too low, or too few steps to tell a rise from the noise) has no edge
+to read: its suggestion is the sweep's end ÷ 10, a bound of the rule's (the edge lies beyond), not a reading. The
+result says so (`rose` is False, `stopped` says why) and lr_find warns: a run at that lr can lower the training
+loss while the model fails on held-out data (BatchNorm's running statistics lagging weights that moved too fast).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import copy
 import itertools
 import math
 import statistics
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -65,10 +71,12 @@ class LRFinderResult:
     window: int = 1  # steps in each median
     rule: str = SUGGESTION_RULE
     stopped: str = ""  # why the run ended: "diverged at lr …" or "reached end_lr"
+    rose: bool = True  # whether the sweep saw the loss rise above its lowest level; if not, `suggestion` is a bound
 
     @property
     def best_lr(self) -> float:
-        """The largest lr at which the smoothed loss is still at its lowest level: beyond it, the loss rises."""
+        """The largest lr at which the smoothed loss is still at its lowest level: beyond it, the loss rises (where
+        `rose`; else the sweep's last lr, and the rise lies beyond it)."""
         return self.suggestion * 10
 
     def plot(self, title: str = ""):
@@ -173,7 +181,17 @@ def lr_find(
             optimizer.load_state_dict(saved_optimizer)
         model.to(original_device)
     _check_enough_before_divergence(lrs, losses, start_lr)
-    return _suggest(lrs, losses, stopped)
+    result = _suggest(lrs, losses, stopped)
+    if not result.rose:
+        warnings.warn(
+            f"lr_find: the loss did not rise above its lowest level within the sweep (up to lr {lrs[-1]:.3g}), so "
+            f"the suggestion {result.suggestion:.3g} is the sweep's end ÷ 10, a bound, not read from the curve. Pass "
+            f"a larger end_lr or more steps (now {steps}) until the loss rises, and judge a run at the lr on held-out "
+            "data (gk.evaluate): its training loss can fall while the model fails in eval mode.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return result
 
 
 def _copy(value):
@@ -335,10 +353,11 @@ def _suggest(lrs: list[float], losses: list[float], stopped: str) -> LRFinderRes
     edge = lowest
     while edge + 1 < count and smoothed[edge + 1] <= smoothed[lowest] + band:
         edge += 1  # still at the lowest level; the first step above it ends the search (later ones may be diverging)
-    if edge == len(losses) - 1 and stopped == "reached end_lr":
+    rose = not (edge == len(losses) - 1 and stopped == "reached end_lr")  # a divergence is a rise too
+    if not rose:
         stopped += (
-            " without the loss rising above its lowest level: the suggestion is end_lr ÷ 10; a larger end_lr shows "
-            "where it rises"
+            " without the loss rising above its lowest level: the suggestion is end_lr ÷ 10, a bound; a larger end_lr "
+            "or more steps show where it rises"
         )
     logs = [math.log10(lr) for lr in lrs[:count]]
     slopes = {
@@ -356,6 +375,7 @@ def _suggest(lrs: list[float], losses: list[float], stopped: str) -> LRFinderRes
         noise=noise,
         window=2 * half + 1,
         stopped=stopped,
+        rose=rose,
     )
 
 

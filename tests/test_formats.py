@@ -2,6 +2,7 @@
 through fit deterministically; the page cache is really evicted; bad stores give errors that name the problem."""
 
 import io
+import itertools
 import json
 import sys
 
@@ -81,6 +82,14 @@ def test_cold_reads_are_cold(dataset, tmp_path):
         warm = gk.data.read_throughput(kind, cold=False)
         assert cold["resident_before"] == 0 and warm["resident_before"] is None
         assert cold["samples"] == warm["samples"] == len(dataset) and cold["bytes_on_disk"] > 0
+
+
+def test_read_throughput_reads_the_clock_it_is_given(dataset, tmp_path):
+    """Timed by a clock that advances 1 s per reading: every sample read in 1 s, whatever the machine's load."""
+    store = gk.data.FileImages(gk.data.write_files(dataset, tmp_path / "files", format="jpeg"))
+    readings = itertools.count()
+    result = gk.data.read_throughput(store, cold=False, clock=lambda: float(next(readings)))
+    assert result["seconds"] == 1.0 and result["samples_per_second"] == result["samples"] == len(dataset)
 
 
 def test_truncated_and_corrupt_shards_name_the_shard_and_sample(shards):

@@ -152,6 +152,10 @@ def _diagnosis_rate(rate: str) -> Callable[[float], Callable[[object, int], obje
     )
 
 
+def _loss_scaled(factor: float) -> Callable[[object, int], object]:
+    return lambda row, call: {**row, "loss": row["loss"] * factor}
+
+
 def _says_bf16(bf16: bool) -> Callable[[object, int], object]:
     return lambda env, call: env if env.bf16 == bf16 else dataclasses.replace(env, bf16=bf16)
 
@@ -221,6 +225,13 @@ MUTANTS = {
             0.5,
             _scaled,
             "History.tokens_per_second {x}",
+        ),
+        *_pair(
+            "history_loss",
+            "gpukit.train.log_window:LogWindow.row",
+            2.0,
+            _loss_scaled,
+            "each History.steps row's training loss {x} (the mean fit logs over its window)",
         ),
         *_pair(
             "ring_allreduce_time",

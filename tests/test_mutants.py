@@ -126,6 +126,11 @@ def contention():
         return gk.hardware.measure_contention(lambda: None, lambda: None, device="cpu")
 
 
+def logged_losses() -> gk.History:
+    train, _ = gk.data.shapes(32, 0, seed=0)
+    return gk.fit(gk.models.fast_cnn(4), train, batch_size=16, max_steps=2, log_every=1, device="cpu", progress=False)
+
+
 def plan_row():
     # plan() looks _row up in its module for each GPU: the wrapped one (a whole plan takes ~20 s here).
     planning = gk.hardware.planning
@@ -184,6 +189,7 @@ MEASURES = {
     "optimizer_state_bytes": (lambda: gk.memory.optimizer_state_bytes(tiny_model(), "adamw"), lambda b: [b]),
     "history_throughput": (history, lambda h: [h.samples_per_second, h.images_per_second]),
     "history_tokens": (history, lambda h: [h.tokens_per_second]),
+    "history_loss": (logged_losses, lambda h: [row["loss"] for row in h.steps]),
     "ring_allreduce_time": (lambda: gk.distributed.costmodel.ring_allreduce_time(1e6, 4, 1e9, 1e-5), lambda s: [s]),
     # seconds × factor, so the algorithm bandwidth (bytes / seconds) ÷ factor; one rank has no bus bandwidth
     "allreduce_benchmark": (allreduce_row, lambda row: [row["seconds"], 1 / row["algorithm_GBps"]]),

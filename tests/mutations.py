@@ -401,26 +401,6 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         )
         for mutant in _both("plan_step_time")
     },
-    # On a CPU, gk.hardware.plan reads this machine's peak from gk.bench.matmul_tflops: it scales the MFU and so every
-    # GPU row's compute roof, as plan_step_time does, and as there no row is for the CPU. On a GPU of the table plan
-    # takes the datasheet's peak and never calls it (not applicable there).
-    **{
-        ("07", mutant, "cpu"): Known(
-            "only the GPU rows move, and none is for a CPU; a GPU uses the datasheet peak",
-            "any machine: lesson 00, cell 13 (gk.bench's matmul rate against a hand-timed one; on a GPU also cell 14)",
-        )
-        for mutant in _both("matmul_tflops")
-    },
-    # plan measures the MFU as FLOPs per example / seconds per example / peak and predicts each GPU's compute roof as
-    # FLOPs / (peak x MFU): the FLOPs cancel, so scaled FLOPs move only the MFU the lesson prints, on any machine.
-    **{
-        ("07", mutant, kind): Known(
-            "the FLOPs cancel in every row: only the printed MFU moves",
-            "any machine: lesson 00, cell 27 and lesson 03, cell 35 (the FLOP counter against a count by hand)",
-        )
-        for mutant in _both("flops_per_step")
-        for kind in KINDS
-    },
     # plan's first contender is the step at an eighth of the batch. Its line predicts the full batch as
     # 1.4 t(3/4) - 0.4 t(1/8) (calibration_sizes), so scaling t(1/8) by 2 or 0.5 moves the prediction by 0.4 or
     # 0.2 t(1/8) / t(1): on a CPU, where a step's time grows with its batch, a few percent, inside cell 15's 25% bound.

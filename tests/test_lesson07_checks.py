@@ -1,7 +1,8 @@
 """Lesson 07's energy check on a CPU with RAPL counters, run here where there are none: its two check cells (the
 monitor's columns, and the monitor's mean power against the counters read by hand around a second fit) run in this
 process against a fake /sys/class/powercap whose package counter advances at a known power while a real fit trains.
-The check passes with the monitor as it is and fails with the monitor's energy 2×, 0.5×, 1,000× or 0.001× off.
+The check passes with the monitor as it is and fails with the monitor's energy 2×, 0.5×, 1,000× or 0.001× off, and
+with each column fit derives from it (mean power, joules per image, grams of CO₂) 2× or 0.5× off.
 Also its contention check, on results whose slowdown is read 2× or 0.5× off where the direction bounds pass.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import io
+import math
 import os
 import threading
 import time
@@ -98,6 +100,7 @@ def energy_namespace(device: torch.device) -> dict:
     return {
         "gk": gk,
         "glob": glob,
+        "math": math,
         "os": os,
         "time": time,
         "device": device,
@@ -126,10 +129,13 @@ def test_the_energy_check_reads_rapl_by_hand_and_fails_a_monitor_off_either_way(
         namespace = energy_namespace(cpu)
         package.near_wrap()  # the counter wraps during the check's own fit: read by hand, and by the monitor
         printed = run_energy_checks(namespace)
-        assert len(printed) == 3 and all(line.startswith(("check passed", "skipped")) for line in printed), printed
+        assert len(printed) == 6 and all(line.startswith(("check passed", "skipped")) for line in printed), printed
         assert namespace["after"][0] < namespace["before"][0]  # the counter wrapped between the hand's reads
         assert "read by hand" in printed[2] and namespace["by_hand"] == pytest.approx(WATTS, rel=0.05)
         assert namespace["by_monitor"] == pytest.approx(WATTS, rel=0.05)
+        assert namespace["weighted"] == pytest.approx(WATTS, rel=0.05)
+        columns = ("mean_power_w", "joules_per_sample", "co2_grams")  # one check passed for each, in this order
+        assert all(column in line for column, line in zip(columns, printed[3:], strict=True)), printed
         lap = monitor_module.Monitor.lap
         for factor in (2.0, 0.5, 1000.0, 0.001):  # the lesson's mutants: a unit slip, and 2× either way
             change = _energy_scaled(factor)
@@ -138,6 +144,27 @@ def test_the_energy_check_reads_rapl_by_hand_and_fails_a_monitor_off_either_way(
             with pytest.raises(gk.CheckFailed, match="read by hand"):
                 run_energy_checks(dict(namespace))  # the second fit's monitor is the one made wrong
             monkeypatch.setattr(monitor_module.Monitor, "lap", lap)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+@pytest.mark.parametrize("column", ["mean_power_w", "joules_per_sample", "co2_grams"])
+def test_the_energy_check_fails_each_derived_column_off_either_way(tmp_path, monkeypatch, column, factor):
+    # The monitor's energy right, one column fit derives from it wrong: the second fit's History, made wrong in that
+    # column in every epoch, fails the check on it, by name.
+    monkeypatch.setattr(monitor_module, "RAPL_ROOT", str(tmp_path))
+    fit = gk.fit
+
+    def wrong_fit(*args, **kwargs):
+        history = fit(*args, **kwargs)
+        for row in history.epochs:
+            row[column] *= factor
+        return history
+
+    with FakePackage(tmp_path):
+        namespace = energy_namespace(torch.device("cpu"))
+        monkeypatch.setattr(gk, "fit", wrong_fit)  # the check cell's own fit, not the one before it
+        with pytest.raises(gk.CheckFailed, match=column):
+            run_energy_checks(namespace)
 
 
 def test_without_rapl_the_energy_checks_say_so(tmp_path, monkeypatch):

@@ -432,6 +432,20 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         for mutant in _both("history_throughput")
         for kind in KINDS
     },
+    # Lessons 04 and 05 compare logged losses with each other (DDP's against one process's, a resumed run's against an
+    # uninterrupted one's, bit for bit): a scale on every logged loss cancels. Lessons 01, 06 and 08 read the loss
+    # itself, against chance or recomputed.
+    **{
+        (lesson, mutant, kind): Known(
+            "the lesson compares logged losses with each other: a scale on every one of them cancels",
+            "any machine: lesson 08, cell 9 (fit's logged losses against a hand-written SGD loop on the same batches), "
+            "lesson 06, cell 20 (each logged loss the sum of the model's own four) and lesson 01, cell 21 (no "
+            "warm-up stays within 10% of ln 10)",
+        )
+        for lesson in ("04", "05")
+        for mutant in _both("history_loss")
+        for kind in KINDS
+    },
     # Lessons 01 and 02 take gk.detect()'s bf16 as given: lesson 01 trains bf16-mixed only where it says so and skips
     # it aloud otherwise (its checks hold in the precisions it ran), lesson 02 trains in fp32 and never reads it.
     **{

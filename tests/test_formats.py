@@ -215,6 +215,10 @@ def test_the_worker_rows_decode_enough_batches_per_worker_and_keep_the_pixels(da
     for row in (one, every):
         assert row["decoded_in_workers"] == (4 + 2) * decoding.BATCHES_PER_WORKER * (1 if row is one else 2) // 2
         assert 0 < row["worker_seconds"] <= row["decoded_in_workers"] / row["images_per_second"]
+    # The per-image row too: each image decoded and augmented once in a worker, timed there (it ships the pixels).
+    per_image = next(row for row in table.rows if row["path"].startswith("decode + transforms.v2 per image"))
+    assert per_image["decoded_in_workers"] == len(encoded)
+    assert 0 < per_image["worker_seconds"] <= per_image["decoded_in_workers"] / per_image["images_per_second"]
     assert "decoded_in_workers" not in table.columns  # kept in the rows, not shown
     per_core = every["images_per_second"] / 2
     assert every["note"].startswith(f"{per_core:,.0f} images/s per core: ")

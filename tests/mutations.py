@@ -334,7 +334,7 @@ BY_HAND_ANYWHERE = (
     "any machine: lesson 01, cell 16 (each gk.bench.compare time against a hand clock around the same call)"
 )
 FIT_RATE_BY_HAND = (
-    "any machine: lesson 01, cell 37, lesson 02, cell 9 and lesson 06, cell 25 (fit's rate against samples counted "
+    "any machine: lesson 01, cell 37, lesson 02, cell 10 and lesson 06, cell 25 (fit's rate against samples counted "
     "over a hand-timed span)"
 )
 KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {

@@ -170,6 +170,26 @@ def test_decode_paths_agree_and_the_table_skips_gpu_rows_honestly(dataset):
     assert [row["note"] for row in cpu_only.rows if row["device"] == "cuda"] == ["skipped: gpu=False"] * 2
 
 
+def test_decode_table_times_the_rows_decoded_here_by_the_clock_it_is_given(dataset):
+    """A clock that advances 1 s per reading: every pass in this process lasts 1 s by it, so each CPU row decoded here
+    reads len(encoded) images/s exactly; the wall clock would give thousands."""
+    from gpukit.data.formats import encode
+
+    encoded = [encode(image, "jpeg", 95) for image in dataset.images[:8]]
+    readings = iter(range(1_000))
+    table = gk.data.decode_table(
+        encoded, size=24, batch_size=4, num_workers=0, repeats=2, gpu=False, clock=lambda: float(next(readings))
+    )
+    here = [row for row in table.rows if row["device"] == "cpu" and "worker" not in row["path"]]
+    assert [row["path"] for row in here] == [
+        "PIL, one image at a time",
+        "decode_jpeg, batched",
+        "decode batched + transforms.v2 on the batch",
+    ]
+    assert [row["images_per_second"] for row in here] == [8.0, 8.0, 8.0]
+    assert next(readings) == 3 * 2 * 2  # 3 rows, 2 passes, 2 readings each: no other row read it
+
+
 def test_the_worker_rows_decode_enough_batches_per_worker_and_keep_the_pixels(dataset, monkeypatch):
     """The every-core row gives each worker BATCHES_PER_WORKER batches (one each timed a worker's start and end) and
     ships back counts, not pixels; its note gives the rate per core against the 1-worker row's."""
@@ -195,6 +215,10 @@ def test_the_worker_rows_decode_enough_batches_per_worker_and_keep_the_pixels(da
     for row in (one, every):
         assert row["decoded_in_workers"] == (4 + 2) * decoding.BATCHES_PER_WORKER * (1 if row is one else 2) // 2
         assert 0 < row["worker_seconds"] <= row["decoded_in_workers"] / row["images_per_second"]
+    # The per-image row too: each image decoded and augmented once in a worker, timed there (it ships the pixels).
+    per_image = next(row for row in table.rows if row["path"].startswith("decode + transforms.v2 per image"))
+    assert per_image["decoded_in_workers"] == len(encoded)
+    assert 0 < per_image["worker_seconds"] <= per_image["decoded_in_workers"] / per_image["images_per_second"]
     assert "decoded_in_workers" not in table.columns  # kept in the rows, not shown
     per_core = every["images_per_second"] / 2
     assert every["note"].startswith(f"{per_core:,.0f} images/s per core: ")

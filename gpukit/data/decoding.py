@@ -17,7 +17,7 @@ torchvision decodes a list of JPEGs on the CPU one after another in one thread (
 libjpeg-turbo: CPU time equals wall time, measured), so the CPU decode_jpeg row is one thread whatever
 torch.get_num_threads() says; nvJPEG decodes the whole list in one batched call.
 
-The worker rows keep the decoded pixels in the workers (each returns how many images it decoded), as nvJPEG's
+The decode_jpeg worker rows keep the decoded pixels in the workers (each returns how many images it decoded), as nvJPEG's
 stay on the GPU: shipping them would time the copy between processes, not the decoder (a 512×512 RGB image is
 0.8 MB; an earlier row that shipped every image gave each of 16 workers one batch of 1,024 images and moved ~0.8 GB
 per pass: 179 images/s per core against 440 for one thread, H100 machine, 2026-11-24).
@@ -37,7 +37,7 @@ from __future__ import annotations
 import io
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -158,6 +158,23 @@ class _DecodedInWorker(Dataset):
         return decoded, started, time.perf_counter()
 
 
+class _AugmentedInWorker(Dataset):
+    """EncodedImages' item i (decoded and augmented per image, where the item is fetched: a worker), with when that
+    began and ended (time.perf_counter, seconds, as _DecodedInWorker's): (image, label, started, ended). The pixels
+    go to the parent, as a training loader's do; the times let a reader count the images the workers decoded."""
+
+    def __init__(self, images: EncodedImages):
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        started = time.perf_counter()
+        image, label = self.images[index]
+        return image, label, started, time.perf_counter()
+
+
 def _augment_batch(images: list[torch.Tensor], size: int) -> torch.Tensor:
     """Resize, then crop, flip and jitter a whole batch at once. transforms.v2 on a batched tensor draws
     one set of random parameters for the whole batch (per-image crops and flips on a batch:
@@ -171,23 +188,28 @@ def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("nan")
 
 
-def _best_pass(run, count: int, repeats: int) -> tuple[float, object]:
-    """The best images/s of `repeats` passes of `run` over `count` images, and what that pass returned."""
+def _best_pass(run, count: int, repeats: int, clock: Callable[[], float]) -> tuple[float, object]:
+    """The best images/s of `repeats` passes of `run` over `count` images by `clock`, and what that pass returned."""
     passes = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         result = run()
-        passes.append((_rate(count, time.perf_counter() - started), result))
+        passes.append((_rate(count, clock() - started), result))
     return max(passes, key=lambda rate_result: rate_result[0])
 
 
 def _as_the_workers_counted(run, result) -> dict:
-    """For a row decoded in worker processes (_DecodedInWorker): the images its best pass's workers said they
-    decoded, and the seconds from the first decode's start to the last one's end by their clock; {} for others."""
-    if not isinstance(getattr(run, "dataset", None), _DecodedInWorker):
-        return {}
-    counts, starts, ends = zip(*result)
-    return {"decoded_in_workers": sum(counts), "worker_seconds": max(ends) - min(starts)}
+    """For a row decoded in worker processes (_DecodedInWorker, _AugmentedInWorker): the images its best pass's
+    workers said they decoded, and the seconds from the first decode's start to the last one's end by their clock;
+    {} for others."""
+    dataset = getattr(run, "dataset", None)
+    if isinstance(dataset, _DecodedInWorker):
+        counts, starts, ends = zip(*result)
+        return {"decoded_in_workers": sum(counts), "worker_seconds": max(ends) - min(starts)}
+    if isinstance(dataset, _AugmentedInWorker):  # batches of (images, labels, started (B,), ended (B,)): one per image
+        starts, ends = torch.cat([batch[2] for batch in result]), torch.cat([batch[3] for batch in result])
+        return {"decoded_in_workers": len(starts), "worker_seconds": float(ends.max() - starts.min())}
+    return {}
 
 
 def _each(chunks, work, device: torch.device) -> None:
@@ -247,14 +269,20 @@ def decode_table(
     num_workers: int = 2,
     repeats: int = 2,
     gpu: bool | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Table:
     """images/s of every decode and augment path on the same JPEG bytes (see the module docstring).
 
     Each row is the best of `repeats` passes over `encoded`; CPU rows state the processes and threads
-    they used. The two rows decoded in worker processes also hold, not shown, the images that pass's workers said
+    they used. The three rows decoded in worker processes also hold, not shown, the images that pass's workers said
     they decoded (`decoded_in_workers`) and the seconds between their first decode's start and their last one's end
     by the workers' own clock (`worker_seconds`): the rate again, counted and timed apart from the row's. Rows that need a CUDA GPU say "skipped: no GPU" where there is none. gpu: None measures
     the CUDA rows where a CUDA GPU is present; False skips them ("skipped: gpu=False"); True requires them.
+    clock: seconds, read before and after each pass of the rows decoded in this process: the wall clock;
+    `time.thread_time` counts only this thread's CPU time, which other programs on the machine do not inflate (the
+    decode rows run in this one thread; the batched augment row counts only this thread's share where
+    torch.get_num_threads() > 1). Rows decoded in worker processes (their work is not this thread's) and
+    CUDA rows (the GPU's is not either) are timed by the wall clock, time.perf_counter, whatever `clock` is.
     """
     if not encoded:
         raise ValueError("no JPEG bytes to decode: pass a non-empty list (e.g. from gk.data.formats.encode).")
@@ -274,7 +302,7 @@ def decode_table(
         ("decode_jpeg, batched", "cuda", "1 process", lambda: _each(chunks, lambda c: decode_batch(c, device), device)),
         (f"decode + transforms.v2 per image, {workers} DataLoader workers", "cpu",
          f"{workers} worker processes, 1 thread each",
-         _PerImageInWorkers(EncodedImages(encoded, size), batch_size, workers)),
+         _PerImageInWorkers(_AugmentedInWorker(EncodedImages(encoded, size)), batch_size, workers)),
         (augment, "cpu", "1 process, 1 thread" if threads == 1 else f"1 process, up to {threads} threads",
          lambda: [_augment_batch(decode_batch(chunk), size) for chunk in chunks]),
         (augment, "cuda", "1 process", lambda: _each(chunks, lambda c: _augment_batch(decode_batch(c, device), size),
@@ -292,7 +320,8 @@ def decode_table(
             rows.append(row | {"images_per_second": None, "note": "skipped: num_workers=0 (no worker processes)"})
         else:
             getattr(run, "warm_up", lambda: None)()
-            rate, result = _best_pass(run, getattr(run, "images_per_pass", len(encoded)), repeats)
+            timer = time.perf_counter if where == "cuda" or isinstance(run, _PerImageInWorkers) else clock
+            rate, result = _best_pass(run, getattr(run, "images_per_pass", len(encoded)), repeats, timer)
             rows.append(row | {"images_per_second": rate} | _as_the_workers_counted(run, result))
             getattr(run, "close", lambda: None)()  # worker processes end before the next row is timed
     for row in rows:

@@ -350,16 +350,16 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         for kind in KINDS
     },
     # Lesson 10 asserts its step times only on a GPU (cell 9: checkpointing costs time, and gk.bench's CUDA-event
-    # median of the plain step against the wall clock over 10 steps, within 1.25x either way; cell 28: CUDA graphs
-    # beat eager). On a CPU the times are shown, and its one timing check there (cell 28: 200 launches cost more than
+    # median of the plain step against the wall clock over 10 steps, within 1.25x either way; cell 29: CUDA graphs
+    # beat eager). On a CPU the times are shown, and its one timing check there (cell 29: 200 launches cost more than
     # one fused operator, 29x apart in the 2026-11-28 run) is a ratio no 2x error flips. Expected killed on a GPU (not
     # yet run there): timeit and timing_median, both ways, by cell 9's wall-clock check; compare_first x2 (the plain
     # step 2x) by cell 9's "full costs time" check as long as full costs under 2x a plain step there, x0.5 by its
     # wall-clock check; timeit_second only if the changed calls fall on the plain step or on the CUDA-graph step
-    # (cells 9, 28): it is named by lesson 01 instead.
+    # (cells 9, 29): it is named by lesson 01 instead.
     **{
         ("10", mutant, "cpu"): Known(
-            "lesson 10 asserts step times only on a GPU (cells 9 and 28); on a CPU they are shown",
+            "lesson 10 asserts step times only on a GPU (cells 9 and 29); on a CPU they are shown",
             "cuda: lesson 10, cell 9 (gk.bench's CUDA-event median against the wall clock over 10 steps); "
             + BY_HAND_ANYWHERE,
         )

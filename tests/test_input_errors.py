@@ -622,6 +622,20 @@ def test_a_persistent_loader_worker_killed_in_epoch_2_says_what_to_do_and_the_sa
     assert [row["step"] for row in history.steps] == list(range(1, 13)) and len(history.epochs) == 3
 
 
+def test_a_worker_killed_as_torch_s_sigchld_handler_reports_it_is_named_with_its_signal():
+    """Under load torch's SIGCHLD handler can report the death before the loader's wait does, naming the worker and
+    its signal only in words: the note says them as the wait's path does (seen in the suite at load 4-8)."""
+    module = {"__name__": "torch.utils.data._utils.signal_handling"}  # where torch's handler is defined
+    exec("def handler():\n    raise RuntimeError('DataLoader worker (pid 4242) is killed by signal: Killed. ')", module)
+    with pytest.raises(RuntimeError) as failed:
+        module["handler"]()
+    assert "A DataLoader worker process died (pid 4242 killed by SIGKILL)" in gk.data.worker_crash(failed.value)
+    exec("def handler():\n    raise RuntimeError('DataLoader worker (pid(s) 4242) exited unexpectedly')", module)
+    with pytest.raises(RuntimeError) as failed:
+        module["handler"]()
+    assert "A DataLoader worker process died (a worker process ended)" in gk.data.worker_crash(failed.value)
+
+
 def test_a_worker_crash_note_is_only_for_a_dead_worker():
     """Any other error (one that a worker raised in Python, here) gets no such note."""
 

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import faulthandler
 import math
+import re
 import signal
 import traceback
 from collections.abc import Iterable, Iterator
@@ -303,7 +304,7 @@ def worker_crash(error: BaseException) -> str | None:
     """What happened and what to do, when `error` is a DataLoader's report that a worker process died; None for any
     other error. Told by where torch raised it, not by its text: in the loader's wait for data (a RuntimeError
     listing the workers that failed, or the pipe's own error when the worker dies as it sends), or in its SIGCHLD
-    handler."""
+    handler (which names the worker and its signal only in its message: read from there)."""
     for frame, _ in traceback.walk_tb(error.__traceback__):
         module, name = frame.f_globals.get("__name__", ""), frame.f_code.co_name
         if module == "torch.utils.data.dataloader" and name == "_try_get_data":
@@ -312,7 +313,7 @@ def worker_crash(error: BaseException) -> str | None:
                 ended = "; ".join(_ended(worker) for worker in dead)
                 break
         if module == "torch.utils.data._utils.signal_handling" and name == "handler":
-            ended = "a worker process ended"
+            ended = _ended_as_torch_says(str(error)) or "a worker process ended"
             break
     else:
         return None
@@ -337,6 +338,16 @@ def _dead_workers(iterator) -> list:
         if worker.exitcode not in (None, 0):
             dead.append(worker)
     return dead
+
+
+def _ended_as_torch_says(message: str) -> str | None:
+    """torch's SIGCHLD handler names a killed worker only in its message ("DataLoader worker (pid 12) is killed by
+    signal: Killed."): the pid and the signal, said as _ended says them; None where the message does not name them."""
+    found = re.search(r"\(pid (\d+)\) is killed by signal: ([^.]+)\.", message)
+    names = {signal.strsignal(each): each.name for each in signal.Signals if signal.strsignal(each)}
+    if found is None or found.group(2).strip() not in names:
+        return None
+    return f"pid {found.group(1)} killed by {names[found.group(2).strip()]}"
 
 
 def _ended(worker) -> str:

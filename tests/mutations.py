@@ -439,12 +439,13 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
     },
     # A logged training loss 2x off either way: lessons 04, 05 and 10 compare logged losses with each other (DDP's
     # against one process's, a resumed run's against an uninterrupted one's, FP8's against bf16's), so a scale on
-    # every one cancels; lessons 02 and 07 train only to time or watch the run, and claim nothing about its loss.
+    # every one cancels; lessons 02, 03 and 07 train only to time or watch the run, and claim nothing about its loss.
     # Lessons 01, 06, 08 and 09 read the loss itself, against chance or recomputed.
     **{
         (lesson, mutant, kind): Known(reason, LOSS_BY_HAND)
         for lesson, reason in (
             ("02", "lesson 02 trains only to time its input pipeline: it claims nothing about the loss"),
+            ("03", "lesson 03 trains only to time its memory fixes: it claims nothing about the loss"),
             ("04", "lesson 04 compares logged losses with each other: a scale on every one of them cancels"),
             ("05", "lesson 05 compares logged losses with each other: a scale on every one of them cancels"),
             ("07", "lesson 07's training losses are shown, not checked (short epochs, there to be watched)"),

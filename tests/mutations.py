@@ -354,35 +354,34 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         for mutant in _both(*TIMING)
         for kind in KINDS
     },
-    # Lesson 10 asserts its step times only on a GPU (cell 9: checkpointing costs time, and gk.bench's CUDA-event
-    # median of the plain step against the wall clock over 10 steps, within 1.25x either way; cell 29: CUDA graphs
-    # beat eager). On a CPU the times are shown, and its one timing check there (cell 29: 200 launches cost more than
-    # one fused operator, 29x apart in the 2026-11-28 run) is a ratio no 2x error flips. Expected killed on a GPU (not
-    # yet run there): timeit and timing_median, both ways, by cell 9's wall-clock check; compare_first x2 (the plain
-    # step 2x) by cell 9's "full costs time" check as long as full costs under 2x a plain step there, x0.5 by its
-    # wall-clock check; timeit_second only if the changed calls fall on the plain step or on the CUDA-graph step
-    # (cells 9, 29): it is named by lesson 01 instead.
+    # Lesson 10 asserts its step times only on a GPU: cell 9 (checkpointing costs time), cell 10 (gk.bench's plain and
+    # fully checkpointed steps against the same steps timed by hand, 10 interleaved rounds, 1/1.25-1.25x), cells 31-32
+    # (CUDA graphs beat eager; 20-call blocks of each by gk.bench against a hand clock, 1/1.25-1.25x). On a CPU the
+    # times are shown, and its one timing check there (cell 31: 200 launches cost more than one fused operator, 29x
+    # apart in the 2026-11-28 run) is a ratio no 2x error flips. Expected killed on a GPU (not yet run there): all four
+    # timer families, both ways, by cells 10 and 32 (each contender's gk.bench median against its hand clock); under
+    # the fake CUDA layer (tests/fake_cuda.py, 2026-11-29) those cells' GPU branches failed every one of the eight.
     **{
         ("10", mutant, "cpu"): Known(
-            "lesson 10 asserts step times only on a GPU (cells 9 and 29); on a CPU they are shown",
-            "cuda: lesson 10, cell 9 (gk.bench's CUDA-event median against the wall clock over 10 steps); "
+            "lesson 10 asserts step times only on a GPU (cells 9, 10, 31 and 32); on a CPU they are shown",
+            "cuda: lesson 10, cells 10 and 32 (gk.bench's medians against the same calls timed by hand); "
             + BY_HAND_ANYWHERE,
         )
         for mutant in _both(*TIMING)
     },
-    # Lesson 09's first contender in each gk.bench.compare is NCHW (cell 6), eager (cells 8 and 11) or a batch of one
-    # (cell 18, through gk.inference.measure). On a CPU, where only serving is checked, doubling or halving the batch
-    # of one moves the claims of cell 22 in their favour or not at all: a batch of one faster than the largest, the
-    # largest's throughput gain > 1.5x; cell 22's check against a hand-timed forward uses the largest batch, whose
+    # Lesson 09's first contender in each gk.bench.compare is NCHW (cell 6), eager (cells 8 and 12) or a batch of one
+    # (cell 19, through gk.inference.measure). On a CPU, where only serving is checked, doubling or halving the batch
+    # of one moves the claims of cell 24 in their favour or not at all: a batch of one faster than the largest, the
+    # largest's throughput gain > 1.5x; cell 24's check against a hand-timed forward uses the largest batch, whose
     # timing this mutant leaves alone (at a batch of one the hand timing spread 0.71-1.21x, 2026-11-28, load 9: no
-    # room for 2x). On a GPU, cells 8 and 12 time NCHW and channels_last, eager and compiled, by gk.bench and by hand
-    # in the same rounds and bound each ratio within 0.8-1.25x: the first contender 2x or 0.5x moves it 2x (not run on
-    # a GPU yet).
+    # room for 2x). On a GPU, cells 9 and 14 hold each layout's and each of eager's and compiled's gk.bench median
+    # against the same steps timed by hand in the same rounds (1/1.25-1.25x), and cell 25 the served rows, batch of one
+    # included: the first contender 2x or 0.5x moves its own ratio 2x (not run on a GPU yet).
     **{
         ("09", mutant, "cpu"): Known(
             "on a CPU it moves lesson 09's serving claims in their favour or not at all",
-            "cuda: lesson 09, cells 8 and 12 (gk.bench's layout and compile ratios against the same steps timed by "
-            "hand); " + BY_HAND_ANYWHERE,
+            "cuda: lesson 09, cells 9, 14 and 25 (gk.bench's medians against the same steps timed by hand); "
+            + BY_HAND_ANYWHERE,
         )
         for mutant in _both("compare_first")
     },

@@ -84,13 +84,15 @@ def _slow_start(_worker_id):  # a worker's start-up of 1 s (a dataset that opens
 
 def test_worker_start_up_and_batches_prefetched_between_rounds_are_not_timed():
     # Worker processes reading token windows behind 5 ms of storage latency each: one worker delivers a batch of 4
-    # every 20 ms at best. Its start-up (1 s, in worker_init_fn) counted would make the rate ~3x lower; the batches it
-    # prefetched while the other setting was timed counted would make it higher than one worker can deliver.
+    # every 20 ms at best. Its start-up (1 s, in worker_init_fn) counted would make the rate 4x lower or more (16
+    # batches timed, 0.32 s at best); the batches it prefetched while the other setting was timed, counted, would
+    # make it higher than one worker can deliver (1.33x with prefetch_factor=2, up to 4x with 4). The lower bound
+    # leaves room for a loaded machine's late wake-ups.
     slow = gk.data.SlowDataset(TokenWindows(None, count=256), 0.005)
     table = gk.data.sweep(
         slow, 4, num_workers=(1,), prefetch_factor=(2, 4), batches=4, device="cpu", worker_init_fn=_slow_start
     )
     best = 1 / (4 * 0.005)  # batches/s of one worker that only waits
     for row in table.rows:
-        assert 0.5 < row["batches_per_second"] / best < 1.05, row
+        assert 0.35 < row["batches_per_second"] / best < 1.05, row
     assert "4 rounds of 4 batches" in table.notes[0]

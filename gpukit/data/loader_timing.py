@@ -124,39 +124,65 @@ def sweep(
     num_workers: Sequence[int] = (0, 1, 2),
     prefetch_factor: Sequence[int] = (2, 4),
     batches: int = 10,
+    rounds: int = 4,
     device: str | torch.device = "cpu",
     **loader_options,
 ) -> Table:
     """Batches and samples per second of a DataLoader over `num_workers` × `prefetch_factor`.
 
-    With 0 workers prefetch_factor does not apply: one row, prefetch_factor None. Workers are
-    persistent and the first batch (their start-up) is not timed. `loader_options` go to DataLoader.
+    With 0 workers prefetch_factor does not apply: one row, prefetch_factor None. Every setting's DataLoader is
+    built first (persistent workers), then timed in `rounds` interleaved rounds, the settings' order reversed every
+    other round, so that load from other programs that changes over time falls on every setting alike (over an even
+    number of rounds a linear drift cancels). A round times one setting as `loader_rate` does: a new epoch, its first batch untimed (in the first
+    round that wait holds the workers' start-up; later, the batches its workers prefetched while the other settings
+    ran are dropped when the epoch restarts), then `batches` batches timed. A row's rate is all its rounds' batches
+    over all their seconds. `loader_options` go to DataLoader.
     """
+    check_int("batches", batches, minimum=1)
+    check_int("rounds", rounds, minimum=1, note="(interleaved rounds of every setting)")
     for workers in num_workers:
         check_workers(workers, None)
+    settings = [
+        (workers, factor) for workers in num_workers for factor in ((None,) if workers == 0 else prefetch_factor)
+    ]
+    for workers, factor in settings:
+        check_workers(workers, factor)
+    device = resolve_device(device)
+    loaders = [
+        DataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=workers,
+            prefetch_factor=factor,
+            persistent_workers=workers > 0,
+            **loader_options,
+        )
+        for workers, factor in settings
+    ]
+    seconds = [0.0] * len(settings)
+    try:
+        for round_ in range(rounds):
+            order = range(len(settings)) if round_ % 2 == 0 else reversed(range(len(settings)))
+            for index in order:
+                seconds[index] += _time_loader(loaders[index], device, 1, batches)[0]
+    finally:
+        loaders.clear()  # ends every setting's workers
     rows = []
-    for workers in num_workers:
-        for factor in (None,) if workers == 0 else prefetch_factor:
-            check_workers(workers, factor)
-            loader = DataLoader(
-                dataset,
-                batch_size=batch_size,
-                num_workers=workers,
-                prefetch_factor=factor,
-                persistent_workers=workers > 0,
-                **loader_options,
-            )
-            rate = loader_rate(loader, batches, device)
-            rows.append(
-                {
-                    "num_workers": workers,
-                    "prefetch_factor": factor,
-                    "batches_per_second": rate,
-                    "samples_per_second": rate * batch_size,
-                }
-            )
-            del loader  # ends its workers before the next setting starts its own
-    return Table(rows, title=f"DataLoader throughput, batch size {batch_size}")
+    for (workers, factor), total in zip(settings, seconds):
+        rate = rounds * batches / total
+        rows.append(
+            {
+                "num_workers": workers,
+                "prefetch_factor": factor,
+                "batches_per_second": rate,
+                "samples_per_second": rate * batch_size,
+            }
+        )
+    return Table(
+        rows,
+        title=f"DataLoader throughput, batch size {batch_size}",
+        notes=[f"each setting timed over {rounds} rounds of {batches} batches, the settings' rounds interleaved"],
+    )
 
 
 def plot_sweep(table: Table, title: str = "DataLoader throughput"):

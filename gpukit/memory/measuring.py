@@ -141,13 +141,14 @@ def measure(device: str | torch.device | None = None) -> Iterator[Measurement]:
 def allocator_peak(function: Callable[[], object], device: str | torch.device | None = None) -> int:
     """The most bytes `device`'s allocator held at once while `function()` ran, above what it held at the start.
 
-    Every allocation counts: tensors, and the scratch memory an operator takes and frees inside itself (a fused
-    attention's buffers), which no count of tensors sees. It shares no code with gk.memory's counting of tensors
+    Every allocation counts: tensors, and the scratch memory an operator takes and frees inside itself (oneDNN's, in
+    a convolution's or an LSTM's kernels), which no count of tensors sees. It shares no code with gk.memory's counting of tensors
     (measure() on a CPU, breakdown(), estimate()), so it can check them. On CUDA: torch.cuda.max_memory_allocated
     after resetting the peak, less memory_allocated at the start (the caching allocator's 512-byte blocks). On a CPU:
     c10's CPU allocator reports each allocation and free, with its address and bytes, to torch.profiler
-    (profile_memory=True); the peak of their running sum in time order, counting only the blocks allocated inside
-    (a block allocated before is neither added nor taken away when it is freed).
+    (profile_memory=True), on the threads the profiler follows (the caller's, and autograd's); the peak of their
+    running sum in time order, counting only the blocks allocated inside (a block allocated before is neither added
+    nor taken away when it is freed).
     """
     device = resolve_device(device)
     if device.type == "cuda":
@@ -169,16 +170,16 @@ def allocator_peak(function: Callable[[], object], device: str | torch.device | 
 
 def _allocations(roots) -> list[tuple[int, int, int]]:
     """(time in ns, address, bytes: + allocated, - freed) of every CPU allocator event in a profiler's event tree,
-    in time order."""
-    events, stack = [], list(roots)
+    in time order (events of the same nanosecond in the tree's order: an operator's, then its children's)."""
+    events, stack = [], list(reversed(roots))
     while stack:
         event = stack.pop()
-        stack.extend(event.children)
+        stack.extend(reversed(event.children))
         if event.tag == torch._C._profiler._EventType.Allocation:
             fields = event.typed[1]
             if fields.device.type == "cpu":
                 events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-    return sorted(events)
+    return sorted(events, key=lambda event: event[0])  # a stable sort
 
 
 def _running_peak(events: list[tuple[int, int, int]]) -> int:

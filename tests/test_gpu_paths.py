@@ -233,6 +233,21 @@ def test_measure_reads_the_allocator_peak_of_the_block(fake_cuda):
     fake_cuda.free(held), fake_cuda.free(kept)
 
 
+def test_allocator_peak_reads_the_cuda_allocators_peak_above_the_start(fake_cuda):
+    held = fake_cuda.allocate(100 * MiB)  # allocated before: not in the peak
+    kept = []
+
+    def work():
+        temporary = fake_cuda.allocate(300 * MiB)
+        kept.append(fake_cuda.allocate(50 * MiB))
+        fake_cuda.free(temporary)
+
+    assert memory.allocator_peak(work, "cuda") == 350 * MiB
+    assert fake_cuda.called("_cuda_resetPeakMemoryStats") == [(0,)]
+    assert len(fake_cuda.called("_cuda_synchronize")) == 2  # read after the GPU's work
+    fake_cuda.free(held), fake_cuda.free(kept[0])
+
+
 def test_measure_counts_a_copy_to_the_gpu_and_defaults_to_it(fake_cuda):
     with memory.measure() as used:  # the best device here: the fake GPU, found through NVML
         on_gpu = torch.zeros(1024, 1024).to("cuda")

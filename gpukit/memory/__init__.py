@@ -1,6 +1,8 @@
 """Training memory: measure it, break it down, predict it, find the batch that fits, and fix it.
 
 measure()          peak memory of a block of code (measuring.py).
+allocator_peak()   the peak of a function's allocations as the allocator itself reports them (CUDA's statistics,
+                   or c10's CPU allocator through torch.profiler): an independent check of the counts below.
 cublas_workspace_bytes()  one cuBLAS(Lt) workspace: taken from the caching allocator, counted as allocated;
 allocate_cublas_workspaces() has cuBLAS take them now (this thread's and autograd's), before a measurement.
 allocator_slack_for()     the most the CUDA caching allocator counts beyond live tensors of given sizes (counting.py).
@@ -49,7 +51,14 @@ from .allocator import (
 )
 from .autograd_hooks import saved_bytes
 from .counting import allocator_slack_for
-from .measuring import Measurement, allocate_cublas_workspaces, breakdown, cublas_workspace_bytes, measure
+from .measuring import (
+    Measurement,
+    allocate_cublas_workspaces,
+    allocator_peak,
+    breakdown,
+    cublas_workspace_bytes,
+    measure,
+)
 from .offload import OffloadActivations, OffloadCost, offload_cost
 from .parts import MemoryBreakdown, breakdown_table, plot_breakdowns, plot_memory_timeline
 from .plan import BatchSizePlan, max_batch_size
@@ -68,6 +77,7 @@ __all__ = [
     "TrainingOutOfMemoryError",
     "activation_checkpointing",
     "allocate_cublas_workspaces",
+    "allocator_peak",
     "allocator_slack_for",
     "apply_activation_checkpointing",
     "breakdown",

@@ -3,6 +3,9 @@
 measure()     peak memory of a block of code. On CUDA, the caching allocator's statistics
               (allocated, reserved, and the cache between them); elsewhere, the bytes of
               tensor storages alive, tracked operator by operator.
+allocator_peak()  the peak of a function's allocations as the device's allocator itself reports them (CUDA's
+              statistics; on a CPU, c10's allocator through torch.profiler): shares no code with the counting of
+              tensors above, so it can check it.
 breakdown()   one training step measured: parameters, gradients, optimizer state,
               activations saved for backward (saved-tensor hooks), the rest, the peak; on
               CUDA also the workspace held only inside operators (cuDNN's, above all).
@@ -22,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves
 
+from ..data.timeline import quiet_kineto_without_cuda
 from ..env import resolve_device
 from ..precision import Precision, get_precision
 from ..report import format_bytes
@@ -45,6 +50,7 @@ __all__ = [
     "MeasuredStep",
     "Measurement",
     "allocate_cublas_workspaces",
+    "allocator_peak",
     "breakdown",
     "build_optimizer",
     "check_model",
@@ -130,6 +136,64 @@ def measure(device: str | torch.device | None = None) -> Iterator[Measurement]:
             yield result
     finally:
         result.peak, result.end = tracker.peak, tracker.bytes
+
+
+def allocator_peak(function: Callable[[], object], device: str | torch.device | None = None) -> int:
+    """The most bytes `device`'s allocator held at once while `function()` ran, above what it held at the start.
+
+    Every allocation counts: tensors, and the scratch memory an operator takes and frees inside itself (oneDNN's, in
+    a convolution's or an LSTM's kernels), which no count of tensors sees. It shares no code with gk.memory's counting of tensors
+    (measure() on a CPU, breakdown(), estimate()), so it can check them. On CUDA: torch.cuda.max_memory_allocated
+    after resetting the peak, less memory_allocated at the start (the caching allocator's 512-byte blocks). On a CPU:
+    c10's CPU allocator reports each allocation and free, with its address and bytes, to torch.profiler
+    (profile_memory=True), on the threads the profiler follows (the caller's, and autograd's); the peak of their
+    running sum in time order, counting only the blocks allocated inside (a block allocated before is neither added
+    nor taken away when it is freed).
+    """
+    device = resolve_device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        function()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    if device.type != "cpu":
+        raise ValueError(
+            f"allocator_peak reads CUDA's allocator statistics or the CPU allocator's reports, not {device.type}'s; "
+            "measure on device='cpu' or 'cuda', or use gk.memory.measure() there."
+        )
+    with quiet_kineto_without_cuda(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        function()
+    return _running_peak(_allocations(profiler.profiler.kineto_results.experimental_event_tree()))
+
+
+def _allocations(roots) -> list[tuple[int, int, int]]:
+    """(time in ns, address, bytes: + allocated, - freed) of every CPU allocator event in a profiler's event tree,
+    in time order (events of the same nanosecond in the tree's order: an operator's, then its children's)."""
+    events, stack = [], list(reversed(roots))
+    while stack:
+        event = stack.pop()
+        stack.extend(reversed(event.children))
+        if event.tag == torch._C._profiler._EventType.Allocation:
+            fields = event.typed[1]
+            if fields.device.type == "cpu":
+                events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(events, key=lambda event: event[0])  # a stable sort
+
+
+def _running_peak(events: list[tuple[int, int, int]]) -> int:
+    """The peak of the bytes allocated inside the window still alive, over `events` in time order."""
+    alive: dict[int, int] = {}  # address -> bytes, of the blocks allocated inside the window
+    now = peak = 0
+    for _, address, size in events:
+        if size > 0:
+            alive[address] = size
+            now += size
+        elif address in alive:  # a free of a block allocated before the window is not in the sum
+            now -= alive.pop(address)
+        peak = max(peak, now)
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------

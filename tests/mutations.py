@@ -415,15 +415,15 @@ KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {
         )
         for mutant in _both("compare_first")
     },
-    # Lesson 04 bounds the no_sync step (gk.bench.compare's first contender) from above on any machine (cell 38: not
+    # Lesson 04 bounds the no_sync step (gk.bench.compare's first contender) from above on any machine (cell 44: not
     # above the synchronised step beyond three standard errors), and from below only with several GPUs: there skipping
     # the all-reduce saves at most its cost and a fifth of the step. On a shared CPU a synchronised step also waits for
     # whichever rank the machine's other programs slowed (the straggler of section 4), so no lower bound holds: at load
     # 11 the synchronised step ran 418 ms against 319 ms without the all-reduce of 143 KiB, which costs ~1 ms
-    # (2026-11-29). Halving the no_sync step passes there; the timer itself is checked by cell 31 and lesson 01.
+    # (2026-11-29). Halving the no_sync step passes there; the timer itself is checked by cell 32 and lesson 01.
     ("04", "compare_first_x0.5", "cpu"): Known(
         "on a shared CPU the gap no_sync saves includes waiting for a rank the machine slowed: no lower bound",
-        "cuda: lesson 04, cell 38 (no_sync saves at most the all-reduce's cost and a fifth of the step); "
+        "cuda: lesson 04, cell 44 (no_sync saves at most the all-reduce's cost and a fifth of the step); "
         + BY_HAND_ANYWHERE,
     ),
     # Lesson 05 runs `gpukit train` jobs, which print images_per_second (History.samples_per_second): tiny jobs sharing

@@ -393,6 +393,9 @@ def test_split_in_two_balances_parameters_and_keeps_fastcnns_scale():
 
 def test_bus_bandwidth_and_ring_time():
     assert scaling.bus_bandwidth(10.0, 8) == 10.0 * 2 * 7 / 8
+    assert [scaling.ring_traffic(n) for n in (1, 2, 3, 4)] == [0.0, 1.0, 4 / 3, 1.5]
+    with pytest.raises(ValueError, match="world_size must be 1 or more"):
+        scaling.ring_traffic(0)
     assert costmodel.ring_allreduce_time(1e9, 1, 1e9, 1e-5) == 0.0
     assert math.isclose(costmodel.ring_allreduce_time(1e9, 4, 1e9, 1e-5), 2 * 3 / 4 + 2 * 3 * 1e-5)
 
@@ -429,3 +432,44 @@ def test_cost_model_bad_input():
         costmodel.predict(0.0, 1e6, [2], 1e9, 1e-6)
     with pytest.raises(ValueError, match="need gpus >= 1"):
         costmodel.ring_allreduce_time(1e6, 0, 1e9, 1e-6)
+
+
+def _bytes_written() -> int:
+    """Bytes this process has handed to write() (Linux's /proc/self/io wchar: gloo writes its pieces to sockets)."""
+    with open("/proc/self/io") as counters:
+        return int(dict(line.split(": ") for line in counters.read().splitlines())["wchar"])
+
+
+def _bytes_each_ring_writes(message_bytes: int) -> dict[int, int]:
+    """{ring size: bytes this rank wrote to all-reduce `message_bytes`} for rings of 2 and 3 ranks (as lesson 04)."""
+    worker = distributed.setup()
+    message, sent = torch.zeros(message_bytes // 4), {}
+    for count in (2, 3):
+        group = torch.distributed.new_group(list(range(count)))
+        if worker.rank < count:
+            torch.distributed.all_reduce(message, group=group)  # the first call opens the connections
+            torch.distributed.barrier(group=group)
+            before = _bytes_written()
+            torch.distributed.all_reduce(message, group=group)
+            sent[count] = _bytes_written() - before
+        torch.distributed.barrier()
+    distributed.cleanup()
+    return sent
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes with Linux's /proc/self/io")
+def test_ring_traffic_is_what_each_gloo_rank_writes():
+    """The factor is measured, not restated: with 3 ranks it tells 2(n-1)/n (4/3) from no factor (1) or n for n - 1
+    (2); 2 ranks cannot, where 2(n-1)/n and no factor both read 1."""
+    message = 2**20
+    counted = gk.distributed.launch(
+        _bytes_each_ring_writes,
+        3,
+        message,
+        backend="gloo",
+        start_method=distributed.fastest_start_method(),
+        timeout=120,
+    )
+    for count in (2, 3):
+        ratios = [sent[count] / (scaling.ring_traffic(count) * message) for sent in counted[:count]]
+        assert all(0.99 < ratio < 1.01 for ratio in ratios), (count, ratios)

@@ -1,6 +1,7 @@
 """Measurements of what data parallelism costs, run inside launched workers (every rank calls
 each function, as with any collective):
 
+- `ring_traffic`: the bytes each rank sends per byte a ring all-reduces, 2(n−1)/n;
 - `allreduce_benchmark`: time, algorithm bandwidth and bus bandwidth of all_reduce by message size;
 - `throughput_by_workers`: training throughput with 1..N workers and the scaling efficiency;
 - `ddp_variants`: the same DDP step with other bucket sizes, gradient compression, or no all-reduce;
@@ -31,15 +32,25 @@ from .collectives import count_collectives
 from .pipeline import TwoStagePipeline
 
 
-def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
-    """Bus bandwidth of an all-reduce: algorithm bandwidth × 2(n−1)/n.
+def ring_traffic(world_size: int) -> float:
+    """Bytes each rank sends (and receives) per byte all-reduced by a ring over `world_size` ranks: 2(n−1)/n.
 
-    A ring all-reduce of S bytes makes every rank send (and receive) 2(n−1)/n · S bytes: once
-    around the ring to add up the pieces (reduce-scatter), once to hand the sums out (all-gather).
+    A ring all-reduce of S bytes cuts them into n pieces and goes around the ring twice, n − 1 hops each time:
+    once to add up the pieces (reduce-scatter), once to hand the sums out (all-gather). Each hop a rank sends
+    one piece, S/n bytes. 1 for 2 ranks, 4/3 for 3, approaching 2 for many; 0 for one rank, which sends nothing.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be 1 or more, got {world_size}.")
+    return 2 * (world_size - 1) / world_size
+
+
+def bus_bandwidth(algorithm_bandwidth: float, world_size: int) -> float:
+    """Bus bandwidth of an all-reduce: algorithm bandwidth × 2(n−1)/n (`ring_traffic`).
+
     Bus bandwidth is the rate each link actually carried, comparable across world sizes and with
     the hardware's link speed; algorithm bandwidth is simply S / time.
     """
-    return algorithm_bandwidth * 2 * (world_size - 1) / world_size
+    return algorithm_bandwidth * ring_traffic(world_size)
 
 
 def benchmark_backend(
@@ -231,7 +242,7 @@ def ddp_variants(
         torch.manual_seed(0)
         model = parallel.data_parallel(make_model().to(device), **options)
         steps_by_name[name] = _step_function(model, _optimizer(model.parameters()), images, labels, no_sync=skip)
-        wire[name] = 0 if skip else gradient_bytes(model) * 2 * (count - 1) / count
+        wire[name] = 0 if skip else gradient_bytes(model) * ring_traffic(count)
         if options.get("compression"):
             wire[name] /= 2  # 16-bit instead of 32-bit gradients
         with count_collectives() as sent:  # one step, untimed: the dispatcher's count of what it all-reduces

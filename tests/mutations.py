@@ -241,6 +241,14 @@ MUTANTS = {
             "the ring all-reduce cost model's seconds {x}",
         ),
         *_pair(
+            "ring_traffic",
+            "gpukit.distributed.scaling:ring_traffic",
+            2.0,
+            _scaled,
+            "gk.distributed.scaling.ring_traffic: the ring's 2(n-1)/n bytes per byte all-reduced {x} (so the bus "
+            "bandwidth and each DDP variant's wire_bytes)",
+        ),
+        *_pair(
             "allreduce_benchmark",
             "gpukit.distributed.scaling:allreduce_benchmark",
             2.0,

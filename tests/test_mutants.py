@@ -191,6 +191,7 @@ MEASURES = {
     "history_tokens": (history, lambda h: [h.tokens_per_second]),
     "history_loss": (logged_losses, lambda h: [row["loss"] for row in h.steps]),
     "ring_allreduce_time": (lambda: gk.distributed.costmodel.ring_allreduce_time(1e6, 4, 1e9, 1e-5), lambda s: [s]),
+    "ring_traffic": (lambda: gk.distributed.scaling.ring_traffic(4), lambda factor: [factor]),
     # seconds × factor, so the algorithm bandwidth (bytes / seconds) ÷ factor; one rank has no bus bandwidth
     "allreduce_benchmark": (allreduce_row, lambda row: [row["seconds"], 1 / row["algorithm_GBps"]]),
     "plan_step_time": (plan_row, lambda row: [row.step_time, row.hours, row.cost]),

@@ -180,13 +180,15 @@ def contention_cell() -> str:
 
 @pytest.mark.parametrize(
     ("alone_share", "shared_share", "factor"),
-    [(0.34, 0.16, 1.0), (0.34, 0.16, 2.0), (0.5, 0.4, 1.0), (0.5, 0.4, 0.5)],
-    ids=["quiet", "quiet, x2", "loaded", "loaded, x0.5"],
+    [(0.34, 0.16, 1.0), (0.34, 0.16, 2.0), (0.5, 0.4, 1.0), (0.5, 0.4, 0.5), (0.34, 0.08, 1.0)],
+    ids=["quiet", "quiet, x2", "loaded", "loaded, x0.5", "the core taken by other load"],
 )
 def test_the_contention_check_holds_each_slowdown_against_cpu_time(alone_share, shared_share, factor):
     # Quiet: each process got a share of the core alone (0.34, as measured at load 5-6) and 0.16 shared, and ran
-    # at 0.47 of its speed: read 2× high (0.94) it still passes the direction bounds (0.35-0.99). Loaded: 0.8 of the
-    # share and 0.8 of the speed; read 0.5× (0.4), it too passes them. Only the CPU-time check catches either.
+    # at 0.47 of its speed: read 2× high (0.94) it still passes the direction bounds (below 0.99). Loaded: 0.8 of the
+    # share and 0.8 of the speed; read 0.5× (0.4), it too passes them. Only the CPU-time checks catch either. Other
+    # load took the shared core from both (0.08 each, 0.24 of their speed, as read at load 5 on 2026-11-29): a floor
+    # on the speeds alone (0.35, the lesson's until then) failed a true reading; the CPU shares explain it.
     ratio = shared_share / alone_share * factor
     result = ContentionResult(
         alone=[100.0, 96.0],
@@ -199,8 +201,8 @@ def test_the_contention_check_holds_each_slowdown_against_cpu_time(alone_share, 
         shared_cpu_share=[shared_share] * 2,
     )
     namespace = {"gk": gk, "contention": result, "device": torch.device("cpu")}
-    failed = contextlib.nullcontext() if factor == 1.0 else pytest.raises(gk.CheckFailed, match="by its CPU time")
+    failed = contextlib.nullcontext() if factor == 1.0 else pytest.raises(gk.CheckFailed, match="CPU shares'")
     printed = io.StringIO()
     with failed, contextlib.redirect_stdout(printed):
         exec(compile(contention_cell(), "contention check", "exec"), namespace)
-    assert printed.getvalue().count("check passed") == (5 if factor == 1.0 else 3)  # 2× off: the first 3 still pass
+    assert printed.getvalue().count("check passed") == (4 if factor == 1.0 else 1)  # 2× off: "sharing costs" passes

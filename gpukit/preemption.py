@@ -79,6 +79,11 @@ def _parent_is_gone() -> bool:
     return _parent is not None and _watcher == os.getpid() and os.getppid() != _parent
 
 
+def _parent_dying() -> bool:
+    """Whether the parent end_with_parent watches in this process has died or is dying (waits as _parent_ended)."""
+    return _parent is not None and _watcher == os.getpid() and _parent_ended(_parent)
+
+
 def _parent_ended(parent: int) -> bool:
     """Whether `parent` has died, given a moment: the kernel sends the parent-death signal when the *thread* that
     started this process exits, and a process killed outright loses its other threads a few milliseconds later (until
@@ -143,7 +148,9 @@ def sigterm_requests_a_stop() -> Iterator[StopRequest]:
     def ask(signum, frame) -> None:
         # Once the parent end_with_parent watches has died, a SIGTERM is news of that death (the kernel's, the
         # watching thread's repeat), never a second request: the watcher's grace ends a process that does not stop.
-        if request.asked and not _parent_gone and not _parent_is_gone():
+        # The kernel sends its death signal as each of a dying launcher's threads exits, before this process is
+        # re-parented: a parent still dying counts as gone (torchrun's agent killed outright, seen in CI 2026-11-29).
+        if request.asked and not _parent_gone and not _parent_is_gone() and not _parent_dying():
             raise Preempted("stopped by a second SIGTERM before the loop reached a point where it could save")
         request.asked = True
 

@@ -576,7 +576,10 @@ def test_a_loader_worker_that_segfaults_says_what_happened_and_what_to_do(where)
         "lr_find": lambda: gk.lr_find(small_mlp(), loader, device=CPU, steps=20),
         "fit": lambda: train(small_mlp(), loader),
     }[where]
-    with pytest.raises((RuntimeError, OSError)) as failed:
+    # RuntimeError as torch reports a dead worker; EOFError where the parent was still fetching an earlier batch's
+    # shared-memory file descriptor from the worker as it died (multiprocessing's resource sharer: seen once in CI,
+    # 2026-11-29). The note is the same either way.
+    with pytest.raises((RuntimeError, OSError, EOFError)) as failed:
         run()
     note = " ".join(getattr(failed.value, "__notes__", []))
     assert "A DataLoader worker process died" in note, (failed.value, note)

@@ -146,6 +146,16 @@ def _trace_scaled(factor: float) -> Callable[[object, int], object]:
     return change
 
 
+def _decode_rows_scaled(factor: float) -> Callable[[object, int], object]:
+    # Each row's images/s, as a wrong clock or count would make it. The workers' own counts (decoded_in_workers,
+    # worker_seconds), taken apart from the row's clock, stay true; a row that did not run stays None.
+    def change(table, call: int):
+        rows = [{**row, "images_per_second": _times(row["images_per_second"], factor)} for row in table.rows]
+        return type(table)(rows, table.columns, table.title, table.notes)
+
+    return change
+
+
 def _diagnosis_rate(rate: str) -> Callable[[float], Callable[[object, int], object]]:
     return lambda factor: (
         lambda diagnosis, call: dataclasses.replace(diagnosis, **{rate: _times(getattr(diagnosis, rate), factor)})
@@ -283,6 +293,13 @@ MUTANTS = {
             2.0,
             _trace_scaled,
             "gk.data.trace_steps: every interval's duration {x} (the host's waits and steps, the GPU's copies and kernels)",
+        ),
+        *_pair(
+            "decode_table",
+            "gpukit.data.decoding:decode_table",
+            2.0,
+            _decode_rows_scaled,
+            "gk.data.decode_table: every row's images/s {x} (the workers' own counts stay true)",
         ),
         *_pair(
             "diagnose_loader",

@@ -166,6 +166,12 @@ def a_diagnosis() -> gk.data.Diagnosis:
         return gk.data.diagnose([tiny_batch()] * 2, tiny_model(), steps=2, warmup=1, device="cpu")
 
 
+def a_decode_table() -> gk.report.Table:
+    # Four 32x32 JPEGs decoded in this process (num_workers=0: no worker rows), every pass 1 s by the clock.
+    jpegs = gk.data.decoding.photo_jpegs(tiny_batch()[0][:4].clamp(0, 1).mul(255).to(torch.uint8), 32)
+    return gk.data.decode_table(jpegs, size=24, batch_size=2, num_workers=0, gpu=False, repeats=1, clock=one_second())
+
+
 PARTS = ("params", "grads", "optimizer_state", "activations", "total")
 # family -> (what to measure, the numbers in it that its mutants scale by their factor). Calls outside the
 # numbers read stay true: tested below for the every-second-call, first-contender and estimate mutants.
@@ -198,6 +204,11 @@ MEASURES = {
     "monitor_energy": (rapl_energy, lambda segment: [segment.energy_j]),
     "contention_shared": (contention, lambda result: result.shared),
     "trace_steps": (a_trace, lambda trace: [trace.total("data wait"), trace.total("step")]),
+    # the rows timed in this process by the clock given (the per-image row, with no workers, by the wall clock)
+    "decode_table": (
+        a_decode_table,
+        lambda table: [row["images_per_second"] for row in table.rows[:2] + table.rows[6:7]],
+    ),
     "diagnose_loader": (a_diagnosis, lambda diagnosis: [diagnosis.loader_steps_per_second]),
     "diagnose_step": (a_diagnosis, lambda diagnosis: [diagnosis.step_steps_per_second]),
 }

@@ -146,6 +146,15 @@ def _trace_scaled(factor: float) -> Callable[[object, int], object]:
     return change
 
 
+def _read_scaled(factor: float) -> Callable[[object, int], object]:
+    # The samples/s and MB/s {x}, as a clock off by 1 / factor would make them: the seconds follow, by 1 / factor.
+    def change(result: dict, call: int) -> dict:
+        rates = {name: result[name] * factor for name in ("samples_per_second", "megabytes_per_second")}
+        return {**result, "seconds": result["seconds"] / factor, **rates}
+
+    return change
+
+
 def _decode_rows_scaled(factor: float) -> Callable[[object, int], object]:
     # Each row's images/s, as a wrong clock or count would make it. The workers' own counts (decoded_in_workers,
     # worker_seconds), taken apart from the row's clock, stay true; a row that did not run stays None.
@@ -295,6 +304,13 @@ MUTANTS = {
             "gk.data.trace_steps: every interval's duration {x} (the host's waits and steps, the GPU's copies and kernels)",
         ),
         *_pair(
+            "read_throughput",
+            "gpukit.data.formats:read_throughput",
+            2.0,
+            _read_scaled,
+            "gk.data.read_throughput: samples/s and MB/s {x}, cold and warm (its seconds by the inverse)",
+        ),
+        *_pair(
             "decode_table",
             "gpukit.data.decoding:decode_table",
             2.0,
@@ -364,7 +380,7 @@ LOSS_BY_HAND = (
     "10% of ln 10)"
 )
 FIT_RATE_BY_HAND = (
-    "any machine: lesson 01, cell 37, lesson 02, cell 10 and lesson 06, cell 25 (fit's rate against samples counted "
+    "any machine: lesson 01, cell 37, lesson 02, cell 12 and lesson 06, cell 25 (fit's rate against samples counted "
     "over a hand-timed span)"
 )
 KNOWN_SURVIVORS: dict[tuple[str, str, str], Known] = {

@@ -348,19 +348,25 @@ def test_detect_leaves_torch_threads_alone():
     assert torch.get_num_threads() == before
 
 
-def _busy_loop(seconds: float) -> None:  # a program that keeps one core busy, as another job on a shared machine
+def _busy_loop(seconds: float, started=None) -> None:  # a program that keeps one core busy, as another job would
     import time as clock
 
     end = clock.monotonic() + seconds
+    if started is not None:
+        started.set()  # spawned, it has imported this module first: a second or more, some of it waiting on the disk
     while clock.monotonic() < end:
         pass
 
 
 @pytest.mark.slow
-def test_the_chosen_threads_are_not_slower_than_torchs_default_beside_a_busy_program():
-    """The measured reason for the rule: beside a program that keeps a core busy, a small GPT's training step on
-    env.threads threads is no slower than on torch's default (on 2 cores, 2 threads took 10-20x as long)."""
-    import statistics
+def test_the_chosen_threads_lose_no_time_against_torchs_default_beside_a_busy_program():
+    """The measured reason for the rule: beside a program that keeps a core busy, torch's default threads lose whole
+    steps to spinning (on 2 cores a small GPT's 30 ms training step took 800 ms on 2 threads) and the chosen threads
+    do not. Over 9 interleaved rounds the chosen threads' steps take no longer in all than the default's (1.3x
+    allowed). The total, not the median: with a second busy program beside it (as CI's other test worker is), 2
+    threads at times ran a step at half a core each, unhurt, while 1 thread got a third of the two cores, and at
+    other times spun for 800 ms a step: 8 runs of 9 rounds read medians of 0.03-1.5x, totals of 0.03-0.83x
+    (2026-11-30; CI's run of 5 rounds failed at a median of 1.47x)."""
     import time
 
     from gpukit.models import gpt
@@ -368,11 +374,16 @@ def test_the_chosen_threads_are_not_slower_than_torchs_default_beside_a_busy_pro
     torch.manual_seed(0)
     model, tokens = gpt(max_seq_len=64, width=64, depth=2, heads=4), torch.randint(0, 256, (16, 64))
     default, chosen = torch.get_num_threads(), gpukit.detect().threads
-    busy = multiprocessing.get_context("spawn").Process(target=_busy_loop, args=(60.0,), daemon=True)
+    if chosen == default:
+        pytest.skip(f"the rule keeps torch's default ({default} threads) on this machine: nothing to compare")
+    spawn = multiprocessing.get_context("spawn")
+    looping = spawn.Event()
+    busy = spawn.Process(target=_busy_loop, args=(60.0, looping), daemon=True)
     busy.start()
     times = {default: [], chosen: []}
     try:
-        for _ in range(5):
+        assert looping.wait(timeout=50), "the busy program did not start within 50 s"  # timed once it loops
+        for _ in range(9):
             for threads in times:
                 torch.set_num_threads(threads)
                 model(tokens).float().mean().backward()  # the first step at this count warms it up
@@ -382,7 +393,7 @@ def test_the_chosen_threads_are_not_slower_than_torchs_default_beside_a_busy_pro
     finally:
         torch.set_num_threads(default)
         busy.kill()
-    assert statistics.median(times[chosen]) <= 1.3 * statistics.median(times[default]), times
+    assert sum(times[chosen]) <= 1.3 * sum(times[default]), times
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")

@@ -172,6 +172,16 @@ def a_decode_table() -> gk.report.Table:
     return gk.data.decode_table(jpegs, size=24, batch_size=2, num_workers=0, gpu=False, repeats=1, clock=one_second())
 
 
+def a_warm_read() -> dict:
+    # Four 2x2 images as files, read warm, the read 1 s by the clock.
+    images = tiny_batch()[0].clamp(0, 1).mul(255).to(torch.uint8)
+    with tempfile.TemporaryDirectory(prefix="gpukit-test-read-") as root:
+        store = gk.data.FileImages(
+            gk.data.write_files(gk.data.ImageDataset(images, torch.arange(4) % 2, ["a", "b"]), root)
+        )
+        return gk.data.read_throughput(store, cold=False, clock=one_second())
+
+
 PARTS = ("params", "grads", "optimizer_state", "activations", "total")
 # family -> (what to measure, the numbers in it that its mutants scale by their factor). Calls outside the
 # numbers read stay true: tested below for the every-second-call, first-contender and estimate mutants.
@@ -205,6 +215,10 @@ MEASURES = {
     "contention_shared": (contention, lambda result: result.shared),
     "trace_steps": (a_trace, lambda trace: [trace.total("data wait"), trace.total("step")]),
     # the rows timed in this process by the clock given (the per-image row, with no workers, by the wall clock)
+    "read_throughput": (
+        a_warm_read,
+        lambda read: [read["samples_per_second"], read["megabytes_per_second"], 1 / read["seconds"]],
+    ),
     "decode_table": (
         a_decode_table,
         lambda table: [row["images_per_second"] for row in table.rows[:2] + table.rows[6:7]],

@@ -110,6 +110,24 @@ def test_truncated_and_corrupt_shards_name_the_shard_and_sample(shards):
         list(gk.data.ShardLoader(shards, 8, shuffle=False))
 
 
+def test_a_header_not_where_the_index_says_is_named_corrupt(shards):
+    # The index and the shard disagree (the shard rewritten by another tool, same size): the member's tar header,
+    # 512 bytes before its data, no longer names it.
+    path = shards / "shard-000000.tar"
+    index = json.loads((shards / ".index.json").read_text())
+    name, offset, _ = index["shards"][0]["members"][4]  # the 3rd sample's first member
+    data = bytearray(path.read_bytes())
+    data[offset - 512 : offset - 512 + len(name)] = b"x" * len(name)
+    path.write_bytes(bytes(data))
+    key = name.split(".")[0]
+    with pytest.raises(
+        gk.data.ShardError,
+        match=rf"shard-000000\.tar is corrupt \(a tar header is not where the index "
+        rf"says\): sample '{key}' is incomplete, after sample '\d+' \(sample 2 of the shard\)",
+    ):
+        list(gk.data.ShardLoader(shards, 8, shuffle=False))
+
+
 def test_a_sample_that_cannot_be_decoded(shards):
     path = shards / "shard-000000.tar"
     index = json.loads((shards / ".index.json").read_text())

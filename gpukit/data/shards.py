@@ -154,7 +154,7 @@ def read_shard(
 
 def _read_indexed(path: Path, members: list, size: int | None) -> Iterator[tuple[str, dict[str, bytes]]]:
     with open(path, "rb") as file:
-        data = memoryview(file.read())  # one sequential read of the whole shard (a few MB)
+        data = file.read()  # one sequential read of the whole shard (a few MB); a slice copies only its own bytes
     if len(data) == 0:
         raise ShardError(f"shard {path} is empty (0 bytes); write the shards again with gk.data.write_shards.")
     key, parts, count = None, {}, 0
@@ -165,8 +165,7 @@ def _read_indexed(path: Path, members: list, size: int | None) -> Iterator[tuple
                 count += 1
                 yield key, parts
             key, parts = stem, {}
-        header = bytes(data[offset - 512 : offset - 512 + len(name)]) if offset >= 512 else b""
-        if offset + length > len(data) or header != name.encode():
+        if offset + length > len(data) or offset < 512 or not data.startswith(name.encode(), offset - 512):
             problem = (
                 "truncated" if offset + length > len(data) else "corrupt (a tar header is not where the index says)"
             )
@@ -175,7 +174,7 @@ def _read_indexed(path: Path, members: list, size: int | None) -> Iterator[tuple
                 f"shard {path} is {problem}: sample {stem!r} is incomplete, {last}; it has {len(data):,} bytes"
                 f"{f' of {size:,}' if size else ''}. Write the shards again with gk.data.write_shards."
             )
-        parts[extension.lower()] = bytes(data[offset : offset + length])
+        parts[extension.lower()] = data[offset : offset + length]
     if key is not None:
         yield key, parts
 

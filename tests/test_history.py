@@ -684,4 +684,5 @@ def test_history_seconds_is_the_whole_call_by_a_hand_clock(kind):
     history = gk.fit(model, data, eval_data=held_out, batch_size=16, progress=False, device="cpu")
     by_hand = time.perf_counter() - started
     assert held_out.read and 0.4 <= history.seconds <= by_hand, (history.seconds, by_hand)
-    assert history.seconds >= 0.9 * by_hand - 0.05, (history.seconds, by_hand)  # the wrappers around it cost little
+    # The wrappers around it cost little: a History's clock half the call's fails (a stall of 0.2 s does not).
+    assert history.seconds >= 0.8 * by_hand - 0.2, (history.seconds, by_hand)

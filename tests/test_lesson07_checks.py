@@ -131,9 +131,10 @@ def test_the_energy_check_reads_rapl_by_hand_and_fails_a_monitor_off_either_way(
         printed = run_energy_checks(namespace)
         assert len(printed) == 6 and all(line.startswith(("check passed", "skipped")) for line in printed), printed
         assert namespace["after"][0] < namespace["before"][0]  # the counter wrapped between the hand's reads
-        assert "read by hand" in printed[2] and namespace["by_hand"] == pytest.approx(WATTS, rel=0.05)
-        assert namespace["by_monitor"] == pytest.approx(WATTS, rel=0.05)
-        assert namespace["weighted"] == pytest.approx(WATTS, rel=0.05)
+        # Within 20%: the fake counter's writer is a Python thread that a loaded machine delays (2x off fails).
+        assert "read by hand" in printed[2] and namespace["by_hand"] == pytest.approx(WATTS, rel=0.2)
+        assert namespace["by_monitor"] == pytest.approx(WATTS, rel=0.2)
+        assert namespace["weighted"] == pytest.approx(WATTS, rel=0.2)
         columns = ("mean_power_w", "joules_per_sample", "co2_grams")  # one check passed for each, in this order
         assert all(column in line for column, line in zip(columns, printed[3:], strict=True)), printed
         lap = monitor_module.Monitor.lap

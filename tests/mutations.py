@@ -147,7 +147,7 @@ def _trace_scaled(factor: float) -> Callable[[object, int], object]:
 
 
 def _read_scaled(factor: float) -> Callable[[object, int], object]:
-    # The samples/s and MB/s {x}, as a clock off by 1 / factor would make them: the seconds follow, by 1 / factor.
+    # The samples/s and MB/s × factor, as a clock off by 1 / factor would make them: the seconds follow.
     def change(result: dict, call: int) -> dict:
         rates = {name: result[name] * factor for name in ("samples_per_second", "megabytes_per_second")}
         return {**result, "seconds": result["seconds"] / factor, **rates}

@@ -214,11 +214,11 @@ MEASURES = {
     "monitor_energy": (rapl_energy, lambda segment: [segment.energy_j]),
     "contention_shared": (contention, lambda result: result.shared),
     "trace_steps": (a_trace, lambda trace: [trace.total("data wait"), trace.total("step")]),
-    # the rows timed in this process by the clock given (the per-image row, with no workers, by the wall clock)
     "read_throughput": (
         a_warm_read,
         lambda read: [read["samples_per_second"], read["megabytes_per_second"], 1 / read["seconds"]],
     ),
+    # the rows timed in this process by the clock given (the per-image row, with no workers, by the wall clock)
     "decode_table": (
         a_decode_table,
         lambda table: [row["images_per_second"] for row in table.rows[:2] + table.rows[6:7]],

@@ -74,11 +74,6 @@ def _raise_preempted(signum, frame) -> None:
     raise Preempted("stopped by SIGTERM (how a scheduler preempts a job, and how a launcher stops its workers)")
 
 
-def _parent_is_gone() -> bool:
-    """Whether the parent end_with_parent watches in this process has died (no wait: see _parent_ended)."""
-    return _parent is not None and _watcher == os.getpid() and os.getppid() != _parent
-
-
 def _parent_dying() -> bool:
     """Whether the parent end_with_parent watches in this process has died or is dying (waits as _parent_ended)."""
     return _parent is not None and _watcher == os.getpid() and _parent_ended(_parent)
@@ -150,7 +145,7 @@ def sigterm_requests_a_stop() -> Iterator[StopRequest]:
         # watching thread's repeat), never a second request: the watcher's grace ends a process that does not stop.
         # The kernel sends its death signal as each of a dying launcher's threads exits, before this process is
         # re-parented: a parent still dying counts as gone (torchrun's agent killed outright, seen in CI 2026-11-29).
-        if request.asked and not _parent_gone and not _parent_is_gone() and not _parent_dying():
+        if request.asked and not _parent_gone and not _parent_dying():
             raise Preempted("stopped by a second SIGTERM before the loop reached a point where it could save")
         request.asked = True
 
